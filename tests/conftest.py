@@ -1,0 +1,30 @@
+"""Shared fixtures: the real model is loaded once per test session; hypothesis profiles; nbval."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# 1,000 examples per property by default (CI); HYPOTHESIS_PROFILE=thorough runs 10,000.
+settings.register_profile("default", max_examples=1000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=10_000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer():
+    from kvlearn.model import load_model
+
+    return load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def model(model_and_tokenizer):
+    return model_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_and_tokenizer):
+    return model_and_tokenizer[1]
