@@ -101,7 +101,9 @@ def load_model(device=None, dtype: torch.dtype = torch.float32):
     if not (folder / "config.json").is_file():
         _convert(folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # the per-tensor loading bar is noise once the copy is cached
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
     return model, tokenizer
@@ -114,3 +116,4 @@ def chat_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
