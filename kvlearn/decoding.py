@@ -59,27 +59,32 @@ def forward_flops(config, num_new: int, num_context: int) -> int:
 
 @dataclass
 class Comparison:
-    """Both decodes of one prompt: tokens must be equal, times show the cost of recomputing."""
+    """Both decodes of one prompt: the tokens are equal; times and FLOPs are per step."""
 
     prompt_len: int
     tokens: list[int]
     seconds_no_cache: list[float]
     seconds_cache: list[float]
-    flops_no_cache: int
-    flops_cache: int
+    flops_no_cache_steps: list[int]
+    flops_cache_steps: list[int]
+
+    @property
+    def flops_no_cache(self) -> int:
+        return sum(self.flops_no_cache_steps)
+
+    @property
+    def flops_cache(self) -> int:
+        return sum(self.flops_cache_steps)
 
     def report(self) -> str:
-        n = len(self.tokens)
         ms = lambda s: f"{1000 * s:7.1f} ms"  # noqa: E731
-        return "\n".join([
-            f"prompt {self.prompt_len} tokens, {n} new tokens, identical with and without cache",
-            f"no cache : total {ms(sum(self.seconds_no_cache))}, last step {ms(self.seconds_no_cache[-1])}, "
-            f"{self.flops_no_cache / 1e9:6.1f} GFLOP",
-            f"KV cache : total {ms(sum(self.seconds_cache))}, last step {ms(self.seconds_cache[-1])}, "
-            f"{self.flops_cache / 1e9:6.1f} GFLOP",
-            f"speed-up {sum(self.seconds_no_cache) / sum(self.seconds_cache):.1f}x, "
-            f"work ratio {self.flops_no_cache / self.flops_cache:.1f}x",
-        ])
+        lines = [f"prompt {self.prompt_len} tokens, {len(self.tokens)} new tokens, identical with and without cache"]
+        for label, seconds, flops in (("no cache", self.seconds_no_cache, self.flops_no_cache),
+                                      ("KV cache", self.seconds_cache, self.flops_cache)):
+            lines.append(f"{label} : total {ms(sum(seconds))}, last step {ms(seconds[-1])}, {flops / 1e9:6.1f} GFLOP")
+        lines.append(f"speed-up {sum(self.seconds_no_cache) / sum(self.seconds_cache):.1f}x, "
+                     f"work ratio {self.flops_no_cache / self.flops_cache:.1f}x")
+        return "\n".join(lines)
 
 
 def compare(model, prompt_ids, max_new_tokens: int, progress=None) -> Comparison:
@@ -91,23 +96,28 @@ def compare(model, prompt_ids, max_new_tokens: int, progress=None) -> Comparison
     if slow != fast:
         raise AssertionError("cached and uncached greedy decoding disagree: the cache is wrong")
     p, cfg = len(prompt_ids), model.config
-    flops_no_cache = sum(forward_flops(cfg, p + t, p + t) for t in range(len(slow)))
-    flops_cache = forward_flops(cfg, p, p) + sum(forward_flops(cfg, 1, p + t) for t in range(1, len(fast)))
-    return Comparison(p, fast, t_slow, t_fast, flops_no_cache, flops_cache)
+    lengths = [p + t for t in range(len(fast))]  # sequence length fed at each step
+    no_cache = [forward_flops(cfg, n, n) for n in lengths]
+    cache = [forward_flops(cfg, p, p)] + [forward_flops(cfg, 1, n) for n in lengths[1:]]
+    return Comparison(p, fast, t_slow, t_fast, no_cache, cache)
 
 
 def plot_step_times(comparison: Comparison):
-    """Time of each decoding step against the sequence length at that step (a matplotlib figure)."""
+    """Per decode step: measured time (left) and counted work (right) against sequence length."""
     import matplotlib.pyplot as plt
 
-    positions = [comparison.prompt_len + t for t in range(len(comparison.tokens))]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    # The first step of the cached decode is the prompt's prefill: skip it, it is not a decode step.
-    ax.plot(positions[1:], [1000 * s for s in comparison.seconds_no_cache[1:]], label="recompute everything")
-    ax.plot(positions[1:], [1000 * s for s in comparison.seconds_cache[1:]], label="with KV cache")
-    ax.set_xlabel("sequence length at this step (tokens)")
-    ax.set_ylabel("time for one new token (ms)")
-    ax.set_title("SmolLM2-135M greedy decoding on CPU")
-    ax.set_ylim(bottom=0)
-    ax.legend()
+    c = comparison
+    positions = [c.prompt_len + t for t in range(1, len(c.tokens))]
+    # Step 0 is the prompt's prefill in both loops, not a decode step: leave it out.
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, unit, scale, (slow, fast) in (
+            (left, "time per new token (ms)", 1e3, (c.seconds_no_cache, c.seconds_cache)),
+            (right, "work per new token (GFLOP)", 1e-9, (c.flops_no_cache_steps, c.flops_cache_steps))):
+        ax.plot(positions, [scale * v for v in slow[1:]], label="recompute everything")
+        ax.plot(positions, [scale * v for v in fast[1:]], label="with KV cache")
+        ax.set_xlabel("sequence length at this step (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle("SmolLM2-135M greedy decoding: measured on this CPU (left), counted (right)")
     return fig
