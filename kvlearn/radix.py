@@ -1,0 +1,356 @@
+"""A radix tree over token ids that maps cached prefixes to KV slot indices (chapter 3).
+
+Each edge holds a run of tokens (`TreeNode.key`) and the pool slots where their K and V live
+(`TreeNode.value`, int64, same length). A request's prompt is matched from the root; the slots
+along the matched path are KV that need not be computed again.
+
+Invariants, kept by every public method:
+- every node except the root holds at least one page of tokens, and `len(key) == len(value)`,
+  both a multiple of `page_size`; children are keyed by their first token (first page when
+  `page_size > 1`), so two children of one node never start with the same token (page);
+- `lock_ref` of a node >= `lock_ref` of any of its children; the root's counts the locks held;
+- `evictable_size` = tokens in nodes with lock_ref 0, `protected_size` = tokens in nodes with
+  lock_ref > 0, and `total_size` = their sum = tokens in the tree;
+- only unlocked leaves are evicted, least recently used first, by a logical clock that ticks once
+  per `match_prefix` or `insert` call (no wall time: the same calls give the same evictions).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable
+
+import torch
+
+
+class TreeNode:
+    """One edge of the tree and the node below it.
+
+    key: tuple of token ids on the edge; value: 1-D int64 tensor of their slot ids; children:
+    dict from first token (first page tuple when page_size > 1) to child; lock_ref: requests
+    using this node or a node below it; last_access: logical time of the last match or insert
+    that walked through it. A node removed from the tree has `parent is None`.
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, node_id: int, key: tuple, value: torch.Tensor, parent: TreeNode | None,
+                 lock_ref: int = 0, last_access: int = 0):
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict = {}
+        self.lock_ref = lock_ref
+        self.last_access = last_access
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, children={len(self.children)}, "
+                f"lock_ref={self.lock_ref}, last_access={self.last_access})")
+
+
+class MatchResult:
+    """What `RadixCache.match_prefix` found: `indices` (slot ids of the matched tokens, in order),
+    `last_node` (the node where the match ends, exactly: a partial edge match was split), and
+    `len(result)`, the number of matched tokens. Lock `last_node` while the slots are in use."""
+
+    __slots__ = ("indices", "last_node")
+
+    def __init__(self, indices: torch.Tensor, last_node: TreeNode):
+        self.indices = indices
+        self.last_node = last_node
+
+    def __len__(self) -> int:
+        return self.indices.shape[0]
+
+    def __repr__(self) -> str:
+        return f"MatchResult(len={len(self)}, last_node=#{self.last_node.id})"
+
+
+class RadixCache:
+    """Longest-prefix cache of token ids -> KV slot ids, with locking and LRU eviction.
+
+    page_size: tokens per page; with page_size > 1 only whole pages are matched and inserted.
+    evict_callback: called with the value tensor (slot ids) of every evicted node, so the KV pool
+    can take those slots back. device: where slot tensors live (pass the KV pool's device).
+
+    The engine's flow for one request:
+        m = cache.match_prefix(prompt); cache.lock(m.last_node)       # reuse m.indices
+        ... compute the rest, slots come from the pool ...
+        n = cache.insert(tokens, slots)        # tokens = prompt + output[:-1]
+        pool.free(slots[:n])                   # duplicates of what the tree already held
+        pool.free(slots[len(tokens) // page_size * page_size:])   # unaligned tail (pages > 1)
+        cache.unlock(m.last_node)
+    To keep the inserted path protected for longer (e.g. a prompt inserted right after its prefill,
+    while the request still decodes), take `m2 = cache.match_prefix(tokens)`, then
+    `cache.lock(m2.last_node)` before `cache.unlock(m.last_node)`.
+    """
+
+    def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
+                 device: str | torch.device = "cpu"):
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int (tokens per page), got {page_size!r}.")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be >= 1 (tokens per page), got {page_size}.")
+        if evict_callback is not None and not callable(evict_callback):
+            raise TypeError(f"evict_callback must be callable(value_tensor) or None, got {evict_callback!r}.")
+        self.page_size = page_size
+        self.evict_callback = evict_callback
+        self.device = torch.device(device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node (without calling evict_callback: the caller resets its pool too)."""
+        self._ids = itertools.count()
+        self.root = TreeNode(next(self._ids), (), torch.empty(0, dtype=torch.int64, device=self.device), None)
+        self._nodes = {self.root.id: self.root}  # id -> node, for membership checks and stale heap entries
+        self._heap: list[tuple[int, int]] = []  # (last_access, id) of unlocked leaves; may hold stale entries
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+
+    # --- sizes --------------------------------------------------------------------------------
+    @property
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes: what `evict` could free right now."""
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        """Tokens in locked nodes (on the path of a request in flight)."""
+        return self._protected
+
+    @property
+    def total_size(self) -> int:
+        """Tokens held by the tree."""
+        return self._evictable + self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root included."""
+        return len(self._nodes)
+
+    def __repr__(self) -> str:
+        return (f"RadixCache(page_size={self.page_size}, nodes={self.num_nodes}, total={self.total_size}, "
+                f"evictable={self.evictable_size}, protected={self.protected_size})")
+
+    # --- lookups ------------------------------------------------------------------------------
+    def match_prefix(self, key) -> MatchResult:
+        """Longest cached prefix of `key` (whole pages only). Splits the edge where the match ends
+        inside it, so `last_node` ends exactly at the matched length; touches the matched path."""
+        key = self._aligned(self._as_key(key))
+        self._clock += 1
+        node, _, values = self._walk(key)
+        self._touch_leaf(node)
+        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
+        return MatchResult(indices, node)
+
+    def insert(self, key, value) -> int:
+        """Cache `value[i]` as the slot of `key[i]`; return how many leading tokens were already
+        cached (their slots in `value` are duplicates the caller frees). With page_size > 1 only
+        the page-aligned head is stored; the caller also frees `value[aligned_length:]`.
+        The tree keeps its own copy of the new slots."""
+        key = self._as_key(key)
+        value = self._as_value(value, len(key))
+        key = self._aligned(key)
+        self._clock += 1
+        node, matched, _ = self._walk(key)
+        if matched < len(key):
+            leaf = TreeNode(next(self._ids), key[matched:], value[matched:len(key)].clone(), node,
+                            last_access=self._clock)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._nodes[leaf.id] = leaf
+            self._evictable += len(leaf.key)
+            node = leaf
+        self._touch_leaf(node)
+        return matched
+
+    def _walk(self, key: tuple) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` down from the root; return the last node, the matched length and the
+        values along the path. Touches every node it enters and splits a partly matched edge."""
+        node, i, n, p = self.root, 0, len(key), self.page_size
+        values = []
+        while i < n:
+            child = node.children.get(key[i] if p == 1 else key[i:i + p])
+            if child is None:
+                break
+            edge = child.key
+            m = len(edge)
+            if key[i:i + m] != edge:  # the match ends inside this edge: cut it there
+                child = self._split(child, self._common_length(edge, key, i))
+                m = len(child.key)
+            child.last_access = self._clock
+            values.append(child.value)
+            node, i = child, i + m
+        return node, i, values
+
+    def _common_length(self, edge: tuple, key: tuple, start: int) -> int:
+        """Length of the common prefix of `edge` and `key[start:]`, in whole pages, knowing the
+        first page matches and the whole edge does not. Binary search on slice equality: each
+        comparison runs in C, so no Python step per token."""
+        p = self.page_size
+        lo, hi = 1, min(len(edge), len(key) - start) // p  # in pages; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key[start:start + mid * p] == edge[:mid * p]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * p
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child`'s edge after k tokens; the new upper node inherits lock_ref and
+        last_access, and `child` (the same object, so locks held on it stay right) keeps the rest."""
+        parent = child.parent
+        upper = TreeNode(next(self._ids), child.key[:k], child.value[:k], parent,
+                         lock_ref=child.lock_ref, last_access=child.last_access)
+        parent.children[self._child_key(child.key)] = upper
+        child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
+        upper.children[self._child_key(child.key)] = child
+        self._nodes[upper.id] = upper
+        return upper
+
+    # --- locking ------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction (lock_ref += 1 from node up to the root)."""
+        self._check_node(node)
+        while node is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`; nodes whose lock_ref drops to 0 become evictable again."""
+        self._check_node(node)
+        if node.lock_ref == 0:
+            raise ValueError(f"unlock: node #{node.id} is not locked (lock_ref 0); "
+                             "call unlock only once for each lock of the same node.")
+        start = node
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node = node.parent
+        self._touch_leaf(start)
+
+    def _check_node(self, node) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"expected a TreeNode (e.g. match_prefix(...).last_node), got {type(node).__name__}.")
+        if self._nodes.get(node.id) is not node:
+            raise ValueError(f"node #{node.id} is not in this tree (evicted, reset, or from another "
+                             "cache): lock the last_node of a fresh match_prefix instead.")
+
+    # --- eviction -----------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` tokens (whole leaves, least recently used first) or every
+        evictable token if there are fewer; return the number freed. Each evicted node's slots
+        go to `evict_callback`. A parent left as an unlocked leaf becomes a candidate in turn."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int (tokens, not pages), got {num_tokens!r}.")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}.")
+        freed = 0
+        while freed < num_tokens and self._heap:
+            last_access, node_id = heapq.heappop(self._heap)
+            node = self._nodes.get(node_id)
+            # Entries go stale when the node was touched again, grew a child, got locked or left.
+            if node is None or node.children or node.lock_ref or node.last_access != last_access:
+                continue
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            del self._nodes[node.id]
+            node.parent = None
+            self._evictable -= len(node.key)
+            freed += len(node.key)
+            if self.evict_callback is not None:
+                self.evict_callback(node.value)
+            self._touch_leaf(parent)
+        return freed
+
+    def _touch_leaf(self, node: TreeNode) -> None:
+        """Make sure an unlocked leaf has a heap entry with its current last_access. Called
+        whenever a node may have become such a leaf or changed time: after a walk, an unlock,
+        an eviction of its last child. Stale entries are skipped at pop time."""
+        if node.children or node.lock_ref or node is self.root:
+            return
+        heapq.heappush(self._heap, (node.last_access, node.id))
+        if len(self._heap) > 2 * len(self._nodes) + 64:  # too many stale entries: rebuild, O(1) amortized
+            self._heap = [(n.last_access, n.id) for n in self._nodes.values()
+                          if not n.children and not n.lock_ref and n is not self.root]
+            heapq.heapify(self._heap)
+
+    # --- input checks -------------------------------------------------------------------------
+    def _as_key(self, key) -> tuple:
+        if isinstance(key, torch.Tensor):
+            if key.dim() != 1 or key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
+                raise TypeError(f"key tensor must be 1-D with an integer dtype, got shape "
+                                f"{tuple(key.shape)} and dtype {key.dtype}.")
+            key = tuple(key.tolist())
+        elif isinstance(key, (list, tuple)):
+            key = tuple(key)
+            bad = set(map(type, key)) - {int}
+            if bad:
+                raise TypeError(f"key must hold Python ints (token ids), found {sorted(t.__name__ for t in bad)}; "
+                                "convert it first, e.g. with .tolist().")
+        else:
+            raise TypeError(f"key must be a list/tuple of ints or a 1-D int tensor, got {type(key).__name__}.")
+        if key and min(key) < 0:
+            raise ValueError(f"key holds a negative token id ({min(key)}); token ids are >= 0.")
+        return key
+
+    def _as_value(self, value, n: int) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"value must be a 1-D int64 tensor of slot ids, got {type(value).__name__}.")
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"value must be a 1-D integer tensor of slot ids, got shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}.")
+        if value.shape[0] != n:
+            raise ValueError(f"value has {value.shape[0]} slot ids but key has {n} tokens: give one slot per token.")
+        return value.to(self.device, torch.int64)
+
+    def _aligned(self, key: tuple) -> tuple:
+        p = self.page_size
+        return key if p == 1 else key[:len(key) // p * p]
+
+    def _child_key(self, key: tuple):
+        return key[0] if self.page_size == 1 else key[:self.page_size]
+
+    # --- checks for tests and notebooks -------------------------------------------------------
+    def nodes(self) -> list[TreeNode]:
+        """All nodes, root first, depth first, children in token order (deterministic)."""
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
+        return out
+
+    def check_invariants(self) -> None:
+        """Recount everything from the tree and assert the module's invariants (O(tree size))."""
+        evictable = protected = 0
+        for node in self.nodes():
+            assert self._nodes.get(node.id) is node, f"node #{node.id} is not registered"
+            assert node.lock_ref >= 0, f"node #{node.id} has lock_ref {node.lock_ref}"
+            if node is not self.root:
+                assert len(node.key) == node.value.shape[0] > 0, f"node #{node.id}: key/value lengths"
+                assert len(node.key) % self.page_size == 0, f"node #{node.id} is not page-aligned"
+                assert node.parent.children[self._child_key(node.key)] is node, f"node #{node.id}: bad parent link"
+                assert node.parent.lock_ref >= node.lock_ref, f"node #{node.id} locked more than its parent"
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert len(self._nodes) == len(self.nodes()), "registered nodes that are not in the tree"
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"sizes drifted: counted evictable={evictable}, protected={protected}, "
+            f"kept evictable={self._evictable}, protected={self._protected}")
+        live = {(n.last_access, n.id) for n in self._nodes.values()
+                if not n.children and not n.lock_ref and n is not self.root}
+        assert live <= set(self._heap), "an unlocked leaf is missing from the eviction heap"

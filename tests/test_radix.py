@@ -1,0 +1,373 @@
+"""Hand-worked RadixCache scenarios: every expected value below was worked out on paper."""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from kvlearn import MatchResult, RadixCache, TreeNode
+
+
+def slots(*ids):
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def shape(cache):
+    """The tree as (key, slots, lock_ref) per node, depth first: compares structure, not ids."""
+    return [(n.key, n.value.tolist(), n.lock_ref) for n in cache.nodes()]
+
+
+def state(cache):
+    """Everything observable, to check that a rejected call changed nothing."""
+    return (shape(cache), [(n.id, n.last_access) for n in cache.nodes()], cache._clock,
+            sorted(cache._heap), cache.evictable_size, cache.protected_size)
+
+
+def recorder():
+    freed = []
+    return freed, RadixCache(evict_callback=lambda v: freed.append(v.tolist()))
+
+
+def test_split_in_the_middle_of_an_edge():
+    cache = RadixCache()
+    assert cache.insert([1, 2, 3, 4, 5, 6], slots(10, 11, 12, 13, 14, 15)) == 0
+    result = cache.match_prefix([1, 2, 3, 9])
+    assert isinstance(result, MatchResult) and len(result) == 3
+    assert result.indices.tolist() == [10, 11, 12]
+    assert result.last_node.key == (1, 2, 3)  # the split made a node that ends exactly at the match
+    assert shape(cache) == [((), [], 0), ((1, 2, 3), [10, 11, 12], 0), ((4, 5, 6), [13, 14, 15], 0)]
+    assert cache.total_size == 6
+    cache.check_invariants()
+
+
+def test_match_after_split_walks_both_halves():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5, 6], slots(10, 11, 12, 13, 14, 15))
+    cache.match_prefix([1, 2])
+    full = cache.match_prefix(torch.tensor([1, 2, 3, 4, 5, 6, 7]))
+    assert full.indices.tolist() == [10, 11, 12, 13, 14, 15]
+    assert full.last_node.key == (3, 4, 5, 6)
+    assert cache.match_prefix([2, 1]).last_node is cache.root
+    assert len(cache.match_prefix([])) == 0
+
+
+def test_insert_of_an_existing_key_returns_its_full_length_and_keeps_old_slots():
+    cache = RadixCache()
+    cache.insert([5, 6, 7], slots(0, 1, 2))
+    before = shape(cache)
+    assert cache.insert([5, 6, 7], slots(7, 8, 9)) == 3
+    assert shape(cache) == before
+    assert cache.insert([5, 6], slots(3, 4)) == 2  # a prefix of an edge is already present too
+    assert cache.match_prefix([5, 6, 7]).indices.tolist() == [0, 1, 2]
+
+
+def test_insert_returns_the_shared_prefix_and_stores_only_the_rest():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], slots(0, 1, 2))
+    assert cache.insert([1, 2, 8, 9], slots(5, 6, 7, 8)) == 2
+    assert shape(cache) == [((), [], 0), ((1, 2), [0, 1], 0), ((3,), [2], 0), ((8, 9), [7, 8], 0)]
+    assert cache.total_size == 5
+
+
+def test_insert_keeps_its_own_copy_of_the_slots():
+    cache = RadixCache()
+    value = slots(0, 1, 2)
+    cache.insert([1, 2, 3], value)
+    value.fill_(99)  # the caller reuses its buffer (like a req_to_token row)
+    assert cache.match_prefix([1, 2, 3]).indices.tolist() == [0, 1, 2]
+
+
+def test_page_aligned_insert_and_match():
+    cache = RadixCache(page_size=2)
+    assert cache.insert([1, 2, 3, 4, 5], slots(0, 1, 2, 3, 4)) == 0
+    assert cache.total_size == 4  # the half page (5) is not stored
+    assert cache.match_prefix([1, 2, 3, 9]).indices.tolist() == [0, 1]
+    assert len(cache.match_prefix([1])) == 0  # less than a page never matches
+    assert len(cache.match_prefix([1, 2, 3, 4, 5])) == 4
+    # [1,2,3,5] shares 3 tokens but only one whole page: its second page is a new child.
+    assert cache.insert([1, 2, 3, 5], slots(6, 7, 8, 9)) == 2
+    assert shape(cache) == [((), [], 0), ((1, 2), [0, 1], 0), ((3, 4), [2, 3], 0), ((3, 5), [8, 9], 0)]
+    assert sorted(cache.nodes()[1].children) == [(3, 4), (3, 5)]  # children keyed by first page
+    cache.check_invariants()
+
+
+def test_page_aligned_split_lands_on_a_page_boundary():
+    cache = RadixCache(page_size=3)
+    cache.insert(list(range(9)), torch.arange(9))
+    result = cache.match_prefix([0, 1, 2, 3, 4, 99, 6, 7, 8])  # mismatch in the second page
+    assert len(result) == 3 and result.last_node.key == (0, 1, 2)
+    assert [n.key for n in cache.nodes()] == [(), (0, 1, 2), (3, 4, 5, 6, 7, 8)]
+
+
+def test_eviction_order_is_least_recently_used():
+    freed, cache = recorder()
+    cache.insert([1, 1], slots(0, 1))    # A, t=1
+    cache.insert([2, 2], slots(2, 3))    # B, t=2
+    cache.insert([3, 3], slots(4, 5))    # C, t=3
+    cache.match_prefix([1, 1])           # A is now the most recent
+    assert cache.evict(1) == 2 and freed == [[2, 3]]  # one whole leaf even if 1 token was asked
+    assert cache.evict(2) == 2 and freed[-1] == [4, 5]
+    assert cache.evict(2) == 2 and freed[-1] == [0, 1]
+    assert cache.evict(5) == 0 and cache.total_size == 0
+
+
+def test_parent_becomes_a_candidate_when_its_last_child_goes():
+    freed, cache = recorder()
+    cache.insert([1, 2, 3], slots(0, 1, 2))   # t=1
+    cache.insert([1, 2, 4], slots(9, 9, 3))   # t=2: shares [1,2], adds leaf (4,)
+    cache.insert([7], slots(4))               # t=3, a newer leaf
+    # leaves by age: (3,) t=1, (4,) t=2, (7,) t=3; after both go, (1,2) (t=2) beats (7,) (t=3).
+    assert cache.evict(4) == 4
+    assert freed == [[2], [3], [0, 1]]
+    assert shape(cache) == [((), [], 0), ((7,), [4], 0)]
+    cache.check_invariants()
+
+
+def test_callback_receives_exactly_the_freed_slots():
+    freed, cache = recorder()
+    for i in range(5):
+        cache.insert([i] * (i + 1), torch.arange(10 * i, 10 * i + i + 1))
+    total = cache.total_size
+    assert cache.evict(total) == total
+    assert sorted(s for v in freed for s in v) == sorted(s for i in range(5) for s in range(10 * i, 10 * i + i + 1))
+    assert (cache.total_size, cache.evictable_size, cache.num_nodes) == (0, 0, 1)
+
+
+def test_lock_protects_the_path_and_unlock_releases_it():
+    freed, cache = recorder()
+    cache.insert([1, 2, 3, 4], slots(0, 1, 2, 3))
+    cache.insert([1, 2, 9], slots(0, 1, 4))
+    node = cache.match_prefix([1, 2, 3, 4]).last_node
+    cache.lock(node)
+    assert (cache.protected_size, cache.evictable_size) == (4, 1)
+    assert cache.evict(100) == 1 and freed == [[4]]  # only the unlocked branch goes
+    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == [0, 1, 2, 3]
+    cache.lock(node)
+    cache.unlock(node)
+    assert cache.protected_size == 4  # still held once
+    cache.unlock(node)
+    assert (cache.protected_size, cache.evictable_size, cache.root.lock_ref) == (0, 4, 0)
+    assert cache.evict(100) == 4
+
+
+def test_insert_under_a_locked_path_keeps_sizes_right():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], slots(0, 1, 2))
+    held = cache.match_prefix([1, 2, 3]).last_node
+    cache.lock(held)
+    assert cache.insert([1, 2, 3, 4, 5], slots(0, 1, 2, 3, 4)) == 3  # extends the locked leaf
+    assert (cache.protected_size, cache.evictable_size) == (3, 2)
+    assert cache.insert([1, 9], slots(0, 5)) == 1  # splits the locked edge: both halves stay locked
+    assert (cache.protected_size, cache.evictable_size) == (3, 3)
+    upper = cache.match_prefix([1]).last_node
+    assert upper.key == (1,) and upper.lock_ref == 1 and held.key == (2, 3)
+    cache.check_invariants()
+    # The engine's re-lock after insert: lock the longer path, then release the old one.
+    new = cache.match_prefix([1, 2, 3, 4, 5]).last_node
+    cache.lock(new)
+    cache.unlock(held)
+    assert (cache.protected_size, cache.evictable_size) == (5, 1)
+    cache.check_invariants()
+
+
+def test_lock_and_unlock_of_the_root_count_on_the_root():
+    cache = RadixCache()
+    result = cache.match_prefix([1, 2])
+    assert result.last_node is cache.root
+    cache.lock(result.last_node)
+    assert cache.root.lock_ref == 1 and cache.protected_size == 0
+    cache.unlock(result.last_node)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.unlock(cache.root)
+
+
+def test_same_calls_give_the_same_tree():
+    def build():
+        cache = RadixCache()
+        for i, key in enumerate([[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6], [7]]):
+            cache.insert(key, torch.arange(len(key)) + 10 * i)
+            cache.match_prefix(key[:2])
+        cache.evict(2)
+        return [(n.id, n.key, n.last_access, n.value.tolist()) for n in cache.nodes()]
+
+    assert build() == build()
+
+
+def test_reset_empties_the_tree():
+    cache = RadixCache()
+    cache.insert([1, 2], slots(0, 1))
+    cache.lock(cache.match_prefix([1, 2]).last_node)
+    cache.reset()
+    assert (cache.total_size, cache.num_nodes, len(cache.match_prefix([1, 2]))) == (0, 1, 0)
+    cache.check_invariants()
+
+
+def test_repr_is_readable():
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4], slots(0, 1, 2, 3))
+    assert repr(cache) == "RadixCache(page_size=2, nodes=2, total=4, evictable=4, protected=0)"
+    result = cache.match_prefix([1, 2])
+    assert repr(result) == f"MatchResult(len=2, last_node=#{result.last_node.id})"
+    assert repr(result.last_node).startswith(f"TreeNode(id={result.last_node.id}, tokens=2,")
+
+
+def test_heap_of_stale_entries_stays_bounded():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], slots(0, 1, 2))
+    for _ in range(5000):
+        cache.match_prefix([1, 2, 3])  # each touch pushes a new entry for the leaf
+    assert len(cache._heap) <= 2 * cache.num_nodes + 65
+    cache.check_invariants()
+
+
+# --- bad input: a clear error and no change --------------------------------------------------
+
+def filled():
+    cache = RadixCache(page_size=1)
+    cache.insert([1, 2, 3], slots(0, 1, 2))
+    cache.insert([1, 4], slots(0, 3))
+    return cache
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda c, leaf: c.insert([1, 2, 3], slots(0, 1)), ValueError, "one slot per token"),
+    (lambda c, leaf: c.insert([1, 2], [0, 1]), TypeError, "value must be"),
+    (lambda c, leaf: c.insert([1, 2], torch.tensor([0.0, 1.0])), TypeError, "integer"),
+    (lambda c, leaf: c.insert([1, 2], torch.zeros(2, 1, dtype=torch.int64)), TypeError, "1-D"),
+    (lambda c, leaf: c.insert([1, 2.5], slots(0, 1)), TypeError, "Python ints"),
+    (lambda c, leaf: c.insert(["a"], slots(0)), TypeError, "Python ints"),
+    (lambda c, leaf: c.insert([1, -2], slots(0, 1)), ValueError, "negative"),
+    (lambda c, leaf: c.match_prefix([1.0]), TypeError, "Python ints"),
+    (lambda c, leaf: c.match_prefix(torch.tensor([1.0])), TypeError, "integer dtype"),
+    (lambda c, leaf: c.match_prefix("abc"), TypeError, "list/tuple"),
+    (lambda c, leaf: c.match_prefix([True]), TypeError, "Python ints"),
+    (lambda c, leaf: c.evict(-1), ValueError, ">= 0"),
+    (lambda c, leaf: c.evict(1.5), TypeError, "int"),
+    (lambda c, leaf: c.unlock(leaf), ValueError, "not locked"),
+    (lambda c, leaf: c.lock("node"), TypeError, "TreeNode"),
+    (lambda c, leaf: c.lock(filled().nodes()[-1]), ValueError, "not in this tree"),
+])
+def test_bad_input_raises_and_changes_nothing(call, error, words):
+    cache = filled()
+    leaf = cache.nodes()[-1]  # an unlocked leaf, taken without touching the tree
+    assert isinstance(leaf, TreeNode) and leaf.lock_ref == 0
+    before = state(cache)
+    with pytest.raises(error, match=words):
+        call(cache, leaf)
+    assert state(cache) == before
+
+
+def test_locking_an_evicted_node_is_refused():
+    cache = filled()
+    node = cache.match_prefix([1, 4]).last_node
+    cache.evict(100)
+    with pytest.raises(ValueError, match="not in this tree"):
+        cache.lock(node)
+    assert node.parent is None and cache.total_size == 0
+
+
+@pytest.mark.parametrize("page_size, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_page_size(page_size, error):
+    with pytest.raises(error, match="page_size"):
+        RadixCache(page_size=page_size)
+
+
+def test_bad_callback():
+    with pytest.raises(TypeError, match="callable"):
+        RadixCache(evict_callback=3)
+
+
+# --- scale: cost follows the matched length, not the tree size -------------------------------
+
+def median_match_us(cache, probe, reps=300):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        cache.match_prefix(probe)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def test_match_and_evict_cost_do_not_grow_with_the_tree():
+    from kvlearn.bench_radix import make_trace, slot_values
+
+    keys = make_trace(2000)
+    values = slot_values(keys)
+    small, big = RadixCache(), RadixCache()
+    for key, value in zip(keys[:20], values[:20]):
+        small.insert(key, value)
+    for key, value in zip(keys, values):
+        big.insert(key, value)
+    assert big.total_size > 50 * small.total_size
+    probe = keys[0][:80] + [49151] * 100
+    # An O(tree) walk would be ~50x slower on the big tree; allow noise from a shared machine.
+    assert median_match_us(big, probe) < 5 * median_match_us(small, probe)
+    start = time.perf_counter()
+    for _ in range(100):
+        small.evict(1)
+    t_small = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(100):
+        big.evict(1)
+    assert time.perf_counter() - start < 5 * t_small + 0.01
+
+
+# --- chapter 3 exercise checkers: a right answer passes, a wrong one does not ----------------
+
+def page_match_solution(cached, query, page_size):
+    n = 0
+    while n < min(len(cached), len(query)) and cached[n] == query[n]:
+        n += 1
+    return n // page_size * page_size
+
+
+def eviction_order_solution(cache, num_tokens, repush_parents=True):
+    import heapq
+
+    children = {n.id: len(n.children) for n in cache.nodes()}
+    heap = [(n.last_access, n.id, n) for n in cache.nodes()[1:] if not n.children and not n.lock_ref]
+    heapq.heapify(heap)
+    order, freed = [], 0
+    while heap and freed < num_tokens:
+        _, _, node = heapq.heappop(heap)
+        order.append(node.id)
+        freed += len(node.key)
+        parent = node.parent
+        children[parent.id] -= 1
+        if repush_parents and parent is not cache.root and children[parent.id] == 0 and not parent.lock_ref:
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return order
+
+
+def relock_solution(cache, key, value, old_node):
+    duplicates = cache.insert(key, value)
+    node = cache.match_prefix(key).last_node
+    cache.lock(node)
+    cache.unlock(old_node)
+    return node, duplicates
+
+
+def test_exercise_checkers_accept_right_answers(capsys):
+    from kvlearn.exercises import ch03
+
+    assert ch03.check_page_match(page_match_solution)
+    assert ch03.check_eviction_order(eviction_order_solution)
+    assert ch03.check_relock(relock_solution)
+    assert capsys.readouterr().out.count("OK") == 3
+
+
+def test_exercise_checkers_reject_wrong_answers(capsys):
+    from kvlearn.exercises import ch03
+
+    assert not ch03.check_page_match(lambda c, q, p: page_match_solution(c, q, 1))  # ignores pages
+    assert not ch03.check_eviction_order(lambda c, n: eviction_order_solution(c, n, repush_parents=False))
+    assert not ch03.check_eviction_order(lambda cache, n: [cache.evict(n)])  # changes the tree
+
+    def forgets_to_lock(cache, key, value, old_node):
+        duplicates = cache.insert(key, value)
+        cache.unlock(old_node)
+        return cache.match_prefix(key).last_node, duplicates
+
+    assert not ch03.check_relock(forgets_to_lock)
+    assert capsys.readouterr().out.count("Not yet") == 4
