@@ -1,0 +1,327 @@
+"""Paged KV blocks with hash-based prefix reuse: the block manager of nano-vllm / vLLM v1.
+
+The KV pool is cut into `num_blocks` blocks of `block_size` token slots. Token position p of a
+sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+
+Prefix reuse: a full block whose KV has been computed is published under a chained hash
+`h_i = hash_fn(h_{i-1}, tokens of block i)`, so equal hashes mean equal prefixes, not just equal
+blocks. A new sequence walks its full blocks and shares every published block it finds, up to the
+first miss. A freed block keeps its hash and tokens, so it can still be hit, until the free list
+hands it out again; the free list gives out the least recently freed block first.
+
+How an engine drives it (every token's KV is written before `hash_blocks` sees it):
+
+    if manager.can_allocate(seq): manager.allocate(seq)   # table covers the prompt
+    forward(seq.token_ids[seq.num_cached_tokens:])        # writes KV at slot_mapping(...)
+    manager.hash_blocks(seq)                              # publish the full, computed blocks
+    loop:
+        seq.append_token(sample())                        # this token has no KV yet
+        if not manager.can_append(seq): preempt (deallocate) someone
+        manager.may_append(seq)                           # a slot for the new token
+        forward([last token]); manager.hash_blocks(seq)
+    manager.deallocate(seq)
+
+Invariants, kept by every public method:
+- every block is either free (ref_count 0, in the free list) or in use (ref_count > 0), never both;
+  ref_count equals the number of live block tables holding the block;
+- `hash_to_block_id` maps a hash only to a block that is full, computed, and still holds the tokens
+  that hash was made from;
+- a sequence never gets its last token from the cache (`num_cached_tokens < num_tokens`), so the
+  model always has a position to take logits from and never writes into a shared block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from kvlearn.errors import KVCapacityError
+from kvlearn.sequence import Sequence
+
+HashFn = Callable[["int | None", "list[int]"], int]
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Stable 64-bit chained hash of one block: xxh64(parent hash bytes + token ids as int64).
+
+    Stable across processes and machines, unlike Python's salted `hash()`.
+    """
+    data = array("q", token_ids).tobytes()
+    if parent_hash is not None:
+        data = parent_hash.to_bytes(8, "little") + data
+    return xxhash.xxh64_intdigest(data)
+
+
+def short_hash(h: int | None) -> str:
+    """The first 6 hex digits of a hash, or '-' for none: enough to tell blocks apart by eye."""
+    return "-" if h is None else f"{h:x}"[:6]
+
+
+def _short(items: list[int], limit: int = 8) -> str:
+    return " ".join(map(str, items[:limit])) + (" ..." if len(items) > limit else "")
+
+
+@dataclass
+class Block:
+    """One physical block. `hash` and `token_ids` are set once it is full and computed."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (f"Block(block_id={self.block_id}, ref_count={self.ref_count}, hash={short_hash(self.hash)}, "
+                f"tokens=[{_short(self.token_ids)}])")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted by `allocate` only (queries such as `num_cached_prefix` are free)."""
+
+    queries: int = 0        # sequences looked up in the cache
+    query_tokens: int = 0   # their tokens
+    hit_blocks: int = 0     # blocks shared instead of computed
+    hit_tokens: int = 0     # tokens whose KV came from the cache (hit_blocks * block_size)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class BlockManager:
+    """Allocates physical blocks to sequences and shares the blocks of common prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn | None = None):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+            if value <= 0:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if hash_fn is not None and not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable as hash_fn(parent_hash, token_ids), got {hash_fn!r}.")
+        self.block_size = block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.hash_fn: HashFn = hash_fn or hash_block_tokens
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        # Free block ids, least recently freed first: prefixes freed last survive longest.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._live: set[int] = set()  # seq_ids whose block table came from this manager
+        self.stats = PrefixCacheStats()
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be handed out (least recently freed first)."""
+        return list(self._free)
+
+    def __repr__(self) -> str:
+        cached_free = sum(self.hash_to_block_id.get(self.blocks[b].hash) == b for b in self._free)
+        return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"free={self.num_free_blocks} ({cached_free} still cached), "
+                f"hashed={len(self.hash_to_block_id)}, live_seqs={len(self._live)})")
+
+    # --- checks: every public method validates before it changes anything -----------------
+
+    def _check_seq(self, seq) -> None:
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"Expected a kvlearn.Sequence, got {type(seq).__name__}.")
+        if seq.block_size != self.block_size:
+            raise ValueError(f"Sequence {seq.seq_id} has block_size {seq.block_size} but this manager uses "
+                             f"{self.block_size}: build the Sequence with block_size={self.block_size}.")
+
+    def _check_new(self, seq) -> None:
+        self._check_seq(seq)
+        if seq.seq_id in self._live or seq.block_table:
+            raise ValueError(f"Sequence {seq.seq_id} already has a block table {seq.block_table}: "
+                             "deallocate it before allocating it again.")
+
+    def _check_live(self, seq) -> None:
+        self._check_seq(seq)
+        if seq.seq_id not in self._live:
+            raise ValueError(f"Sequence {seq.seq_id} is not allocated by this manager (never allocated, or "
+                             "already deallocated): call allocate(seq) first.")
+
+    # --- prefix lookup ---------------------------------------------------------------------
+
+    def _max_cached_blocks(self, seq: Sequence) -> int:
+        # The full-hit rule: at least the last token is computed, so the model has logits to
+        # sample from. Dropping the whole last block (not just one token) means the recomputed
+        # KV goes into a private block, never into one that other sequences are reading.
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest published prefix of `seq`. Reads only; changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        hit, h = [], None
+        for i in range(self._max_cached_blocks(seq)):
+            tokens = seq.block(i)
+            h = self.hash_fn(h, tokens)
+            block_id = self.hash_to_block_id.get(h)
+            # Equal hashes with unequal tokens is a collision: treat it as a miss. Stop at the
+            # first miss, because every later block's KV was computed after this block's tokens.
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hit.append(block_id)
+        return hit
+
+    def num_cached_prefix(self, seq: Sequence) -> int:
+        """Tokens of `seq` that `allocate` would take from the cache now; changes no state or stats."""
+        self._check_seq(seq)
+        return len(self._match(seq)) * self.block_size
+
+    def _blocks_needed(self, seq: Sequence, hit: list[int]) -> int:
+        # A hit on a free (cached) block still takes it off the free list; only hits on blocks
+        # that are already in use come for free.
+        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit)
+
+    # --- allocation ------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether `allocate(seq)` would succeed now."""
+        self._check_new(seq)
+        return self._blocks_needed(seq, self._match(seq)) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` a block table covering all its tokens, sharing its cached prefix.
+
+        Sets `seq.block_table` and `seq.num_cached_tokens`; the caller computes the KV of
+        `seq.token_ids[seq.num_cached_tokens:]`, then calls `hash_blocks(seq)`.
+        Raises KVCapacityError (and changes nothing) when there are not enough free blocks.
+        """
+        self._check_new(seq)
+        hit = self._match(seq)
+        needed = self._blocks_needed(seq, hit)
+        if needed > self.num_free_blocks:
+            hint = ("it can never fit: use more blocks or a shorter prompt" if seq.num_blocks > self.num_blocks
+                    else "deallocate finished sequences first (check can_allocate)")
+            raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} free blocks but only "
+                                  f"{self.num_free_blocks} are free: {hint}.")
+        for block_id in hit:  # before any miss pops the free list, so no hit is handed out
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        seq.block_table[:] = hit + [self._take_free_block() for _ in range(seq.num_blocks - len(hit))]
+        seq.num_cached_tokens = len(hit) * self.block_size
+        self._live.add(seq.seq_id)
+        if self.enable_prefix_caching:
+            self.stats.queries += 1
+            self.stats.query_tokens += seq.num_tokens
+            self.stats.hit_blocks += len(hit)
+            self.stats.hit_tokens += seq.num_cached_tokens
+
+    def _take_free_block(self) -> int:
+        """Hand out the least recently freed block, forgetting what it cached."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        # Its KV is about to be overwritten: the hash must stop pointing here. Only drop the
+        # entry if it is ours; a duplicate block may share the hash with the registered one.
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, [], 1
+        return block_id
+
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
+        """Publish the full blocks of `seq` whose KV is computed; returns how many were newly hashed.
+
+        num_computed_tokens: tokens of `seq` whose KV is written (default: all of them; pass less
+        for a chunked prefill). Never call it between `append_token` and the forward pass that
+        computes that token. A block whose hash is already published by another block stays
+        unpublished (one copy is enough); it still remembers its hash, so it is not hashed again.
+        """
+        self._check_live(seq)
+        covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_tokens
+        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
+            raise TypeError(f"num_computed_tokens must be an int, got {num_computed_tokens!r}.")
+        if not 0 <= num_computed_tokens <= covered:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} is outside 0..{covered}, the tokens of "
+                             f"sequence {seq.seq_id} that have slots: call may_append after append_token.")
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = num_computed_tokens // self.block_size
+        # Hashed blocks form a prefix of the table (hits, then earlier calls): find its end.
+        start = num_full
+        while start > 0 and self.blocks[seq.block_table[start - 1]].hash is None:
+            start -= 1
+        h = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, num_full):
+            block = self.blocks[seq.block_table[i]]
+            tokens = seq.block(i)
+            h = self.hash_fn(h, tokens)
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block_id.setdefault(h, block.block_id)
+        return max(0, num_full - start)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether `may_append(seq)` would succeed now (it needs a free block at a block boundary)."""
+        self._check_live(seq)
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+
+    def may_append(self, seq: Sequence) -> None:
+        """After `seq.append_token(t)`: grow the block table so every token has a slot."""
+        self._check_live(seq)
+        needed = seq.num_blocks - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but none is free: "
+                                  "preempt (deallocate) a sequence first (check can_append).")
+        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release the blocks of `seq`. Blocks nobody holds go to the back of the free list,
+        still cached; the table is walked in reverse so a prefix's tail is reused before its head."""
+        self._check_live(seq)
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+        self._live.discard(seq.seq_id)
+
+    # --- what the paged-attention runner consumes -------------------------------------------
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
+        """KV slots of token positions [start, end) of `seq`: a 1-D int64 tensor."""
+        self._check_live(seq)
+        for name, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int position, got {value!r}.")
+        covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
+        if not 0 <= start <= end <= covered:
+            raise ValueError(f"Need 0 <= start <= end <= {covered} (tokens of sequence {seq.seq_id} with slots), "
+                             f"got start={start}, end={end}: call may_append after append_token.")
+        positions = torch.arange(start, end, device=device)
+        table = torch.tensor(seq.block_table, dtype=torch.int64, device=device)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def block_tables(self, seqs: list[Sequence], device=None) -> torch.Tensor:
+        """Block tables of a batch as one [len(seqs), longest table] int64 tensor, padded with -1."""
+        for seq in seqs:
+            self._check_live(seq)
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = np.full((len(seqs), width), -1, dtype=np.int64)  # numpy fills rows from lists ~3x faster
+        for i, seq in enumerate(seqs):
+            rows[i, :len(seq.block_table)] = seq.block_table
+        return torch.as_tensor(rows, device=device)

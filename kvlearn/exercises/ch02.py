@@ -1,0 +1,69 @@
+"""Chapter 2 exercises: how much of a prompt is cached, who holds a block, which freed block goes first."""
+
+from kvlearn.blocks import BlockManager
+from kvlearn.exercises import report
+from kvlearn.sequence import Sequence
+
+
+def _run(manager, token_ids, finish=True):
+    """Allocate one request, compute (publish) its blocks and, if finish, deallocate it."""
+    seq = Sequence(token_ids, block_size=manager.block_size)
+    manager.allocate(seq)
+    manager.hash_blocks(seq)
+    if finish:
+        manager.deallocate(seq)
+    return seq
+
+
+CACHED_CASES = [
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4, 5, 6, 7, 8, 9], 4),      # two full blocks shared
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4, 5, 6, 7, 8], 4),         # all cached: last block recomputed
+    ([[1, 2, 3, 4, 5, 6, 7, 8]], [1, 2, 3, 4, 5, 6, 0, 0, 0], 4),      # second block differs
+    ([[9, 9, 9, 9, 5, 6, 7, 8]], [1, 2, 3, 4, 5, 6, 7, 8, 0], 4),      # same block 1, other prefix
+    ([[1, 2, 3], [1, 2, 5, 6, 7]], [1, 2, 5, 6, 7, 8, 9], 2),          # the best of two cached prompts
+    ([[1, 2, 3, 4, 5]], [1, 2, 3], 4),                                 # shorter than a block
+]
+
+
+def check_cached_tokens(cached_tokens) -> bool:
+    """Exercise 1: `cached_tokens(cached_prompts, new_prompt, block_size)` returns how many tokens of
+    `new_prompt` a BlockManager takes from the cache, when every prompt in `cached_prompts` ran to
+    completion before (and nothing was evicted). Work it out from the tokens, without hashes."""
+    for cached_prompts, new_prompt, block_size in CACHED_CASES:
+        manager = BlockManager(64, block_size)
+        for prompt in cached_prompts:
+            _run(manager, prompt)
+        expected = manager.num_cached_prefix(Sequence(new_prompt, block_size=block_size))
+        try:
+            got = cached_tokens([list(p) for p in cached_prompts], list(new_prompt), block_size)
+        except Exception as e:  # a learner's function may fail in any way; say how
+            return report(False, f"your function raised {type(e).__name__}: {e}")
+        if got != expected:
+            return report(False, f"cached={cached_prompts}, new={new_prompt}, block_size={block_size}: expected "
+                          f"{expected}, got {got}. Whole blocks only, counted from the start, and the last "
+                          "token is never taken from the cache.")
+    return report(True, "")
+
+
+def check_ref_counts(answer) -> bool:
+    """Exercise 2: block_size 4. A = tokens 0..9 is running and its KV is computed. B = tokens 0..7
+    followed by 50, 51 is allocated. What are the ref counts of A's blocks, in table order?"""
+    manager = BlockManager(8, 4)
+    a = _run(manager, list(range(10)), finish=False)
+    _run(manager, list(range(8)) + [50, 51], finish=False)
+    expected = [manager.blocks[b].ref_count for b in a.block_table]
+    ok = isinstance(answer, (list, tuple)) and list(answer) == expected
+    return report(ok, "a block's ref count is the number of live block tables that hold it; which of A's "
+                      "blocks are full, and which of those does B's prompt match?")
+
+
+def check_reused_block(answer) -> bool:
+    """Exercise 3: BlockManager(4, block_size=2). Request X = [1, 2, 3, 4] runs and finishes, then
+    Y = [5, 6, 7] runs and finishes. Z = [9] arrives. Which block id does Z get?"""
+    manager = BlockManager(4, 2)
+    _run(manager, [1, 2, 3, 4])
+    _run(manager, [5, 6, 7])
+    expected = _run(manager, [9], finish=False).block_table[0]
+    return report(answer == expected, "write down the free list after each step: blocks go to its back "
+                                      "as they are freed (a table is freed last block first) and leave "
+                                      "from its front.")

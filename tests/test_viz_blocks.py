@@ -1,0 +1,84 @@
+"""Block-table pictures: the text renderer says exactly what the manager holds; graphviz renders."""
+
+import shutil
+
+import pytest
+
+from kvlearn import BlockManager, Sequence
+from kvlearn.blocks import short_hash
+from kvlearn.viz import blocks_text, draw_blocks
+
+
+@pytest.fixture
+def state():
+    """Two sequences sharing two blocks, and a finished one whose block stays cached."""
+    m = BlockManager(6, 2)
+    done = Sequence([7, 7, 7], block_size=2)
+    a = Sequence([1, 2, 3, 4, 5], block_size=2)
+    for s in (done, a):
+        m.allocate(s)
+        m.hash_blocks(s)
+    m.deallocate(done)                                   # blocks 1, 0 freed; block 0 keeps [7 7]
+    b = Sequence([1, 2, 3, 4, 9], block_size=2)
+    m.allocate(b)
+    return m, a, b
+
+
+def test_text_lists_tables_blocks_and_free_order(state):
+    m, a, b = state
+    h = [short_hash(m.blocks[i].hash) for i in range(6)]
+    assert blocks_text(m, [a, b]).splitlines() == [
+        "6 blocks of 2 tokens: 1 free, 1 cached, 2 in use, 2 shared",
+        f"seq {a.seq_id}: 5 tokens, 0 cached, block_table [2, 3, 4]",
+        "  logical  0 -> block  2  [1 2]",
+        "  logical  1 -> block  3  [3 4]",
+        "  logical  2 -> block  4  [5]",
+        f"seq {b.seq_id}: 5 tokens, 4 cached, block_table [2, 3, 5]",
+        "  logical  0 -> block  2  [1 2]",
+        "  logical  1 -> block  3  [3 4]",
+        "  logical  2 -> block  5  [9]",
+        "block  ref  state   hash    tokens",
+        f"    0    0  cached  {h[0]:<6}  7 7",
+        f"    2    2  shared  {h[2]:<6}  1 2",
+        f"    3    2  shared  {h[3]:<6}  3 4",
+        "    4    1  in use  -       ",
+        "    5    1  in use  -       ",
+        "free list (handed out first -> last): [1, 0]",
+    ]
+    assert "-" not in (h[0], h[2], h[3]) and h[1] == "-"
+
+
+def test_graph_has_one_edge_per_table_entry_and_colours_by_state(state):
+    m, a, b = state
+    src = draw_blocks(m, [a, b]).source
+    for s in (a, b):
+        for i, block_id in enumerate(s.block_table):
+            assert f"seq{s.seq_id}:l{i}:e -> pool:p{block_id}:w" in src
+    assert src.count(" -> ") == 6
+    assert 'PORT="p2" BGCOLOR="#f9cb9c"' in src           # shared
+    assert 'PORT="p0" BGCOLOR="#d9f0d3"' in src           # freed, still cached
+    assert 'PORT="p1" BGCOLOR="white"' in src             # free
+    assert draw_blocks(m, [a, b]).source == src           # same state, same picture
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_graph_renders_to_svg(state):
+    m, a, b = state
+    svg = draw_blocks(m, [a, b]).pipe(format="svg").decode()
+    assert svg.lstrip().startswith("<?xml") and "physical blocks" in svg
+
+
+def test_an_unpublished_duplicate_is_shown_free_not_cached():
+    m = BlockManager(4, 2)
+    e, f = Sequence([1, 2, 3], block_size=2), Sequence([1, 2, 3], block_size=2)
+    for s in (e, f):
+        m.allocate(s)                                    # same step: F cannot hit E
+    for s in (e, f):
+        m.hash_blocks(s)
+        m.deallocate(s)
+    lines = blocks_text(m, []).splitlines()
+    h = short_hash(m.blocks[0].hash)
+    assert lines[0] == "4 blocks of 2 tokens: 3 free, 1 cached, 0 in use, 0 shared"
+    assert f"    0    0  cached  {h:<6}  1 2" in lines
+    assert f"    2    0  free    {h:<6}  1 2" in lines     # F's copy: same hash, not findable
+    assert "BGCOLOR=\"white\"" in draw_blocks(m, []).source.split('PORT="p2"')[1][:30]
