@@ -417,7 +417,7 @@ def draw_slot_reads(metadata, names: list[str], num_slots: int | None = None):
         written[b, metadata.slot_mapping[start:start + q].cpu()] = True
         start += q
     grid[written] = 2
-    fig, ax = plt.subplots(figsize=(max(6, width * 0.22), 0.5 * len(names) + 1.3))
+    fig, ax = plt.subplots(figsize=(min(12, max(6, width * 0.22)), 0.5 * len(names) + 1.3))
     ax.imshow(grid, cmap=ListedColormap(["#f4f4f4", "#9ecae1", "#08519c"]), vmin=0, vmax=2, aspect="auto")
     ax.set_yticks(range(len(names)), names)
     ax.set_xticks(range(0, width, max(1, width // 16)))

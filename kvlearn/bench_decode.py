@@ -1,0 +1,137 @@
+"""Decode throughput: sequences packed into one forward vs one forward per sequence.
+
+    python -m kvlearn.bench_decode [--batch 16] [--steps 16] [--repeats 3]
+
+Both sides use the same runner, pool and paged attention; only the packing differs. Each round
+times a few decode steps of the packed batch, then the same number of tokens one sequence at a
+time, so both see the same machine load; the best round of each is reported (timings on a shared
+CPU are noisy, the best is the least disturbed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
+    "How do bees make honey?", "Give me a tip for learning to cook.", "Why is the sky blue?",
+    "What does a compiler do?", "Suggest a name for a cat.", "How many legs does a spider have?",
+    "What is photosynthesis?", "Tell me a fun fact about octopuses.", "What is the boiling point of water?",
+    "Describe a rainbow in one sentence.",
+]
+
+
+class DecodeBatch:
+    """`batch` prompts prefilled into the pool, ready to decode; `close()` frees their slots."""
+
+    def __init__(self, runner, prompts):
+        self.runner, self.pool, self.slots = runner, runner.pool, []
+        try:
+            for p in prompts:
+                self.slots.append(self.pool.alloc(len(p)))
+            self.last = runner.forward([list(p) for p in prompts], self.slots).argmax(-1).tolist()
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, members: list[int]) -> None:
+        """One decode step of the given sequences, packed into one forward."""
+        for i in members:
+            self.slots[i] = torch.cat([self.slots[i], self.pool.alloc(1)])
+        logits = self.runner.forward([[self.last[i]] for i in members], [self.slots[i] for i in members])
+        for i, token in zip(members, logits.argmax(-1).tolist()):
+            self.last[i] = token
+
+    def close(self) -> None:
+        for s in self.slots:
+            self.pool.free(s)
+
+
+def decode_tokens_per_s(runner, prompts, steps: int, packed: bool) -> float:
+    """Tokens/s over `steps` decode steps of all prompts, packed in one forward per step or one
+    forward per sequence."""
+    batch = DecodeBatch(runner, prompts)
+    try:
+        members = list(range(len(prompts)))
+        start = time.perf_counter()
+        for _ in range(steps):
+            if packed:
+                batch.step(members)
+            else:
+                for i in members:
+                    batch.step([i])
+        return steps * len(prompts) / (time.perf_counter() - start)
+    finally:
+        batch.close()
+
+
+def compare(runner, prompts, steps: int = 16, repeats: int = 3) -> dict:
+    """Best tokens/s of packed and one-at-a-time decode, measured in alternating rounds."""
+    packed, single = [], []
+    for _ in range(repeats):
+        packed.append(decode_tokens_per_s(runner, prompts, steps, packed=True))
+        single.append(decode_tokens_per_s(runner, prompts, steps, packed=False))
+    return {"packed": max(packed), "one_at_a_time": max(single), "speedup": max(packed) / max(single)}
+
+
+def throughput_by_batch(runner, prompts, batch_sizes, steps: int = 4, repeats: int = 2) -> dict[int, float]:
+    """Best packed decode tokens/s over `repeats` rounds for each batch size (the first `b` prompts)."""
+    best = dict.fromkeys(batch_sizes, 0.0)
+    for _ in range(repeats):
+        for b in batch_sizes:
+            best[b] = max(best[b], decode_tokens_per_s(runner, prompts[:b], steps, packed=True))
+    return best
+
+
+def plot_throughput(by_batch: dict[int, float]):
+    """Decode tokens/s against batch size (matplotlib figure)."""
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(by_batch)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot(sizes, [by_batch[b] for b in sizes], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("sequences decoded in one packed forward")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title("paged decode throughput against batch size")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16, help="sequences decoded together (<= 16)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the best is kept")
+    args = parser.parse_args(argv)
+    if not 1 <= args.batch <= len(QUESTIONS) or args.steps < 1 or args.repeats < 1:
+        parser.error(f"need 1 <= --batch <= {len(QUESTIONS)}, --steps >= 1, --repeats >= 1")
+
+    from kvlearn.model import chat_ids, load_model
+    from kvlearn.pool import KVPool
+    from kvlearn.runner import ModelRunner
+
+    model, tokenizer = load_model()
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:args.batch]]
+    pool = KVPool.for_model(model.config, num_slots=4096, device=model.device)
+    runner = ModelRunner(model, pool)
+    decode_tokens_per_s(runner, prompts, 2, packed=True)  # warm-up
+    result = compare(runner, prompts, args.steps, args.repeats)
+    print(f"device={model.device.type} threads={torch.get_num_threads()} batch={args.batch} "
+          f"steps={args.steps} repeats={args.repeats}")
+    print(f"{'mode':<24}{'decode tokens/s':>16}")
+    print(f"{'packed, one forward':<24}{result['packed']:>16.1f}")
+    print(f"{'one sequence at a time':<24}{result['one_at_a_time']:>16.1f}")
+    print(f"speedup: {result['speedup']:.2f}x")
+    assert pool.num_free == pool.num_slots
+    return result
+
+
+if __name__ == "__main__":
+    main()

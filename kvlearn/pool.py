@@ -1,0 +1,250 @@
+"""The KV memory pool: one preallocated tensor that holds every token's keys and values.
+
+The logical layer (block tables, radix tree) never stores K or V itself. It stores *slot indices*
+into this pool, and the model's attention reads and writes K and V at those slots. Two pieces:
+
+- `KVPool`: the storage, `[num_layers, 2, num_slots, num_kv_heads, head_dim]` allocated once, plus a
+  slot allocator kept on tensors (a stack of free pages and a per-page free flag).
+- `ReqToTokenPool`: one row per live request listing the slot of each of its tokens, the table
+  attention reads a request's context through.
+
+Invariant: every slot is either free (in the allocator) or owned by exactly one caller; `alloc` and
+`free` check their arguments before they change anything, so a refused call leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlearn.errors import KVCapacityError
+from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
+from kvlearn.model import resolve_device
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}.")
+    return value
+
+
+class KVPool:
+    """K and V for every layer in one preallocated tensor, handed out slot by slot (or page by page).
+
+    `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, head_dim]` views of that tensor.
+    With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs `n` to be a multiple
+    of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
+    consecutive slots starting at a multiple of `page_size`; `free` takes back whole pages only.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
+                 dtype: torch.dtype = torch.float32, device=None, page_size: int = 1):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("num_slots", num_slots), ("page_size", page_size)):
+            _positive_int(name, value)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+        if num_slots % page_size:
+            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size}): "
+                             f"use {num_slots - num_slots % page_size or page_size}.")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_slots, self.page_size, self.dtype = num_slots, page_size, dtype
+        self.device = resolve_device(device)
+        # The chapter-0 count; query heads do not change KV size, so the config says one per KV head.
+        shape = KVConfig("KVPool", "MHA", num_layers, num_kv_heads, num_kv_heads, head_dim)
+        self.bytes_per_token = kv_bytes_per_token(shape, dtype)
+        self.kv = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        assert self.nbytes == self.bytes_per_token * num_slots
+        self.k = tuple(self.kv[layer, 0] for layer in range(num_layers))
+        self.v = tuple(self.kv[layer, 1] for layer in range(num_layers))
+        num_pages = num_slots // page_size
+        # A stack of free page ids: the top is at the end, so fresh pools hand out page 0 first and a
+        # freed page is the next one reused (it is likely still warm in cache).
+        self._free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._num_free_pages = num_pages
+        self._page_is_free = torch.ones(num_pages, dtype=torch.bool, device=self.device)
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def for_model(cls, config, num_slots: int | None = None, memory_budget_bytes: int | None = None,
+                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1) -> "KVPool":
+        """A pool shaped for `config` (transformers config or `kvlearn.memory.KVConfig`), sized by
+        exactly one of `num_slots` or `memory_budget_bytes` (whole pages that fit the budget)."""
+        if (num_slots is None) == (memory_budget_bytes is None):
+            raise ValueError("Give exactly one of num_slots or memory_budget_bytes.")
+        cfg = get_config(config)
+        if cfg.attention == "MLA" or (cfg.v_head_dim and cfg.v_head_dim != cfg.head_dim):
+            raise ValueError(f"{cfg.name} caches a latent (MLA) or has V heads narrower than K heads; "
+                             "KVPool stores plain K and V per KV head (MHA / GQA models only).")
+        if memory_budget_bytes is not None:
+            num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size)
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots, dtype=dtype, device=device,
+                   page_size=page_size)
+
+    @staticmethod
+    def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,
+                         page_size: int = 1) -> int:
+        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count."""
+        _positive_int("memory_budget_bytes", memory_budget_bytes)
+        _positive_int("page_size", page_size)
+        per_token = kv_bytes_per_token(config, dtype)
+        slots = memory_budget_bytes // per_token // page_size * page_size
+        if slots == 0:
+            raise ValueError(f"A budget of {memory_budget_bytes} bytes does not hold one page of "
+                             f"{page_size} token(s) at {per_token} bytes per token: give at least "
+                             f"{per_token * page_size} bytes.")
+        return slots
+
+    @property
+    def num_free(self) -> int:
+        """Free slots (always a whole number of pages)."""
+        return self._num_free_pages * self.page_size
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V (`[len(slots), num_kv_heads, head_dim]` each) of one layer at `slots`.
+        Shapes and slot range are checked before anything is written."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}.")
+        want = (slots.numel(), self.num_kv_heads, self.head_dim)
+        if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"store() needs 1-D slots and K, V of shape [len(slots), num_kv_heads, head_dim]"
+                             f" = {list(want)}; got slots {list(slots.shape)}, K {list(k.shape)}, V {list(v.shape)}.")
+        if ((slots < 0) | (slots >= self.num_slots)).any():
+            raise ValueError(f"Slot indices must be in [0, {self.num_slots}).")
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    def is_free(self, indices: torch.Tensor) -> torch.Tensor:
+        """Boolean tensor: is each of these (in-range) slots free?"""
+        return self._page_is_free[indices.to(self.device) // self.page_size]
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Take `n` free slots; returns an int64 tensor of slot ids. Raises KVCapacityError (and takes
+        nothing) when fewer than `n` are free."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"alloc(n) needs an int number of slots, got {type(n).__name__}.")
+        if n < 0:
+            raise ValueError(f"alloc(n) needs n >= 0, got {n}.")
+        if n % self.page_size:
+            raise ValueError(f"With page_size={self.page_size}, alloc(n) takes whole pages: n={n} is not a "
+                             f"multiple of {self.page_size}; ask for {-(-n // self.page_size) * self.page_size}.")
+        pages = n // self.page_size
+        if pages > self._num_free_pages:
+            raise KVCapacityError(f"The KV pool has {self.num_free} free slots, {n} were asked for: free "
+                                  "finished requests, evict cached prefixes, or build a bigger pool.")
+        top = self._num_free_pages
+        taken = self._free_pages[top - pages:top].flip(0)
+        self._num_free_pages = top - pages
+        self._page_is_free[taken] = False
+        return (taken[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def free(self, indices) -> None:
+        """Give slots back. They must be allocated, distinct and (page_size > 1) make up whole pages;
+        otherwise ValueError and nothing is freed."""
+        pages = self._pages_of(indices)
+        if pages.numel() == 0:
+            return
+        if self._page_is_free[pages].any():
+            bad = pages[self._page_is_free[pages]][:5].tolist()
+            raise ValueError(f"Double free: page(s) {bad} are already free (page_size={self.page_size}); "
+                             "each slot may be freed once per alloc.")
+        top = self._num_free_pages
+        self._free_pages[top:top + pages.numel()] = pages.flip(0)
+        self._num_free_pages = top + pages.numel()
+        self._page_is_free[pages] = True
+
+    def _pages_of(self, indices) -> torch.Tensor:
+        """Validate slot ids given to `free` and return the distinct pages they cover."""
+        if not isinstance(indices, torch.Tensor):
+            indices = torch.as_tensor(indices, dtype=torch.int64)
+        if indices.dtype in (torch.bool,) or indices.is_floating_point() or indices.is_complex():
+            raise TypeError(f"Slot indices must be integers, got a {indices.dtype} tensor.")
+        indices = indices.reshape(-1).to(device=self.device, dtype=torch.int64)
+        if indices.numel() and (indices.min() < 0 or indices.max() >= self.num_slots):
+            raise ValueError(f"Slot indices must be in [0, {self.num_slots}), got values from "
+                             f"{int(indices.min())} to {int(indices.max())}.")
+        pages, counts = torch.unique(indices // self.page_size, return_counts=True)
+        if (counts != self.page_size).any():
+            if self.page_size == 1:
+                raise ValueError("Double free: the same slot appears more than once in one free() call.")
+            raise ValueError(f"With page_size={self.page_size}, free() takes whole pages: every page touched "
+                             f"must have all of its {self.page_size} slots listed, once each.")
+        return pages
+
+    def __repr__(self) -> str:
+        mib = self.nbytes / (1 << 20)
+        return (f"KVPool(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"slots={self.num_slots}, page_size={self.page_size}, free={self.num_free}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, {mib:.1f} MiB, device={self.device.type})")
+
+
+class ReqToTokenPool:
+    """Per live request, the pool slot of each of its tokens: `req_to_token[row, i]` is the slot of
+    token i. A block table or a radix match fills a row; attention gathers a request's context
+    through it. Rows are reused after `free`; entries past a row's length are meaningless."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device=None):
+        _positive_int("max_requests", max_requests)
+        _positive_int("max_context_len", max_context_len)
+        self.device = resolve_device(device)
+        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int64, device=self.device)
+        self.lengths = [0] * max_requests
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def max_context_len(self) -> int:
+        return self.req_to_token.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        """A free row for a new request (its length starts at 0)."""
+        if not self._free_rows:
+            raise KVCapacityError(f"All {len(self.lengths)} request rows are in use: free a finished request first.")
+        return self._free_rows.pop()
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record that tokens start .. start+len(slots)-1 of request `row` live in `slots`; the row's
+        length becomes start+len(slots) (so a write can only extend the known prefix)."""
+        self._check_live(row)
+        if not 0 <= start <= self.lengths[row]:
+            raise ValueError(f"start={start} must be between 0 and the row's length {self.lengths[row]}: "
+                             "a row has no holes.")
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(f"Request row {row} would hold {end} tokens, more than max_context_len="
+                             f"{self.max_context_len}.")
+        self.req_to_token[row, start:end] = slots
+        self.lengths[row] = end
+
+    def slots(self, row: int) -> torch.Tensor:
+        """The slots of the request's tokens so far, in token order (a view into the table)."""
+        self._check_live(row)
+        return self.req_to_token[row, :self.lengths[row]]
+
+    def free(self, row: int) -> None:
+        self._check_live(row)
+        self.lengths[row] = 0
+        self._free_rows.append(row)
+
+    def _check_live(self, row: int) -> None:
+        if not isinstance(row, int) or not 0 <= row < len(self.lengths) or row in self._free_rows:
+            raise ValueError(f"Row {row!r} is not a live request row: use a row returned by alloc() "
+                             "and not yet freed.")
+
+    def __repr__(self) -> str:
+        live = len(self.lengths) - self.num_free
+        return (f"ReqToTokenPool(rows={len(self.lengths)}, live={live}, "
+                f"max_context_len={self.max_context_len})")

@@ -1,0 +1,130 @@
+"""The model runner: one packed forward of several sequences over the KV pool.
+
+The caller (the engine) decides which sequences run and where their KV lives; the runner turns
+"these new tokens, these context slots" into input_ids, positions, slot_mapping and padded
+per-sequence KV indices, runs the model once with the paged attention of `kvlearn.attention`,
+and returns each sequence's last-token logits.
+
+The runner borrows the model: it switches the attention implementation only for its own forward
+and puts the previous one back afterwards, even on error, so `model.generate` is unaffected.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from kvlearn.attention import AttentionMetadata, register
+from kvlearn.pool import KVPool
+
+
+class ModelRunner:
+    """Runs a Hugging Face causal LM (Llama-like, GQA) with its K and V in a `KVPool`."""
+
+    def __init__(self, model, pool: KVPool):
+        if not isinstance(pool, KVPool):
+            raise TypeError(f"pool must be a kvlearn.KVPool, got {type(pool).__name__}.")
+        cfg = model.config
+        expected = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                    getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        got = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
+        if got != expected:
+            raise ValueError(f"Pool shape (layers, kv_heads, head_dim)={got} does not match the model's "
+                             f"{expected}: build it with KVPool.for_model(model.config, ...).")
+        if pool.kv.device != model.device:
+            raise ValueError(f"Pool is on {pool.kv.device} but the model is on {model.device}: put both on one device.")
+        self.model, self.pool = model, pool
+        self.vocab_size = cfg.vocab_size
+        self.attn_implementation = register()
+
+    @contextmanager
+    def _paged_attention(self):
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.attn_implementation)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    def forward(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor]) -> torch.Tensor:
+        """One packed forward. For sequence i: `input_ids[i]` are its NEW tokens (>= 1) and
+        `kv_indices[i]` the slots of its WHOLE context (cached prefix + new tokens), so its new
+        tokens sit at positions len(kv_indices[i]) - len(input_ids[i]) .. len(kv_indices[i]) - 1 and
+        their K/V are written at kv_indices[i][-len(input_ids[i]):]. Returns [num_seqs, vocab]
+        float logits of each sequence's last new token."""
+        kv_indices = self._check(input_ids, kv_indices)
+        md = AttentionMetadata.build([len(ids) for ids in input_ids], kv_indices, device=self.pool.device)
+        ids = torch.tensor([[t for seq in input_ids for t in seq]], dtype=torch.int64, device=self.pool.device)
+        with torch.no_grad(), self._paged_attention():
+            out = self.model(input_ids=ids, position_ids=md.positions[None], use_cache=False,
+                             logits_to_keep=md.last_token, kv_pool=self.pool, attn_metadata=md)
+        return out.logits[0].float()
+
+    def _check(self, input_ids, kv_indices) -> list[torch.Tensor]:
+        """Reject bad input before anything is written to the pool."""
+        if not isinstance(input_ids, (list, tuple)) or not isinstance(kv_indices, (list, tuple)):
+            raise TypeError("input_ids and kv_indices must be lists (one entry per sequence).")
+        if not input_ids or len(input_ids) != len(kv_indices):
+            raise ValueError(f"Need one kv_indices entry per sequence and at least one sequence; got "
+                             f"{len(input_ids)} input_ids and {len(kv_indices)} kv_indices.")
+        checked = []
+        for i, (ids, slots) in enumerate(zip(input_ids, kv_indices)):
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError(f"input_ids[{i}] must be a non-empty list of int token ids.")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"input_ids[{i}] has a token id outside [0, {self.vocab_size}).")
+            if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
+                raise TypeError(f"kv_indices[{i}] must be a 1-D int64 tensor of pool slots "
+                                "(as returned by KVPool.alloc).")
+            if len(slots) < len(ids):
+                raise ValueError(f"kv_indices[{i}] has {len(slots)} slots but the sequence has {len(ids)} new "
+                                 "tokens: it must cover the cached prefix plus the new tokens.")
+            checked.append(slots.to(self.pool.device))
+        every = torch.cat(checked)
+        if every.min() < 0 or every.max() >= self.pool.num_slots:
+            raise ValueError(f"kv_indices hold slots outside [0, {self.pool.num_slots}).")
+        if self.pool.is_free(every).any():
+            raise ValueError("kv_indices name slots that are free in the pool: alloc() them first.")
+        new_slots = torch.cat([s[len(s) - len(ids):] for ids, s in zip(input_ids, checked)])
+        if new_slots.unique().numel() != new_slots.numel():
+            raise ValueError("Two new tokens would be written to the same slot: give each its own.")
+        return checked
+
+    def __repr__(self) -> str:
+        return f"ModelRunner({type(self.model).__name__}, {self.pool!r})"
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
+                    eos_token_id: int | None = None) -> list[list[int]]:
+    """Static batching, the baseline chapter 6 improves on: prefill all prompts in one packed step,
+    then decode them together, one token each per step, until each hits EOS or max_new_tokens.
+    Slots come from the pool a page at a time and all go back at the end (also on error).
+    Returns the generated tokens of each prompt (EOS included when reached)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    pool = runner.pool
+    owned = [torch.empty(0, dtype=torch.int64, device=pool.device) for _ in prompts]
+    context = [0] * len(prompts)                 # tokens whose K/V are in the pool
+    pending = [list(p) for p in prompts]         # tokens to feed in the next step
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    try:
+        while live:
+            for i in live:
+                short = context[i] + len(pending[i]) - len(owned[i])
+                if short > 0:
+                    pages = -(-short // pool.page_size)
+                    owned[i] = torch.cat([owned[i], pool.alloc(pages * pool.page_size)])
+            logits = runner.forward([pending[i] for i in live],
+                                    [owned[i][:context[i] + len(pending[i])] for i in live])
+            for i, token in zip(live, logits.argmax(-1).tolist()):
+                context[i] += len(pending[i])
+                outputs[i].append(token)
+                pending[i] = [token]
+            live = [i for i in live if outputs[i][-1] != eos_token_id and len(outputs[i]) < max_new_tokens]
+    finally:
+        for slots in owned:
+            pool.free(slots)
+    return outputs
