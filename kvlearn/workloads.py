@@ -198,23 +198,47 @@ def few_shot(tokenizer, num_requests: int = 12, seed: int = 0) -> Workload:
 
 # --- multi-turn chat ------------------------------------------------------------------------------
 
-CONVERSATIONS = (
-    [("I want to start running. How often should I go?", "Three short runs a week is a good start, with a rest day between them."),
-     ("How long should each run be?", "Begin with twenty minutes, alternating one minute of running and two of walking."),
-     ("What shoes do I need?", "Any comfortable running shoes that fit well; a shop can check your stride."),
-     ("Should I stretch before running?", "Warm up with five minutes of brisk walking; stretch gently after the run.")],
-    [("Can you help me plan a vegetable garden?", "Gladly. How much space do you have, and how much sun does it get?"),
-     ("About four square metres with sun all afternoon.", "That suits tomatoes, beans, lettuce and herbs well."),
-     ("When should I plant the tomatoes?", "After the last frost, once nights stay above ten degrees."),
-     ("How often do they need water?", "Deeply two or three times a week, more often in a heatwave.")],
-    [("What is a good first programming language?", "Python is a popular choice: its syntax is readable and it has many tutorials."),
-     ("What can I build with it as a beginner?", "Small games, a to-do list, or scripts that rename your photos."),
-     ("How long until I can get a job?", "With steady practice, many people need one to two years."),
-     ("Which book should I read first?", "Pick a project-based beginner book and type every example yourself.")],
-    [("I am visiting Lisbon for three days. Any tips?", "Walk the Alfama district, ride tram 28 and try a custard tart in Belem."),
-     ("Is it easy to get around without a car?", "Yes: metro, trams and buses cover the centre, and it is very walkable."),
-     ("What about a day trip?", "Sintra is forty minutes by train, with palaces in the hills."),
-     ("Where should I watch the sunset?", "The viewpoints of Graca or Santa Luzia look over the whole city.")],
+CONVERSATIONS = (  # (user, assistant) turns
+    [
+        ("I want to start running. How often should I go?",
+         "Three short runs a week is a good start, with a rest day between them."),
+        ("How long should each run be?",
+         "Begin with twenty minutes, alternating one minute of running and two of walking."),
+        ("What shoes do I need?",
+         "Any comfortable running shoes that fit well; a shop can check your stride."),
+        ("Should I stretch before running?",
+         "Warm up with five minutes of brisk walking; stretch gently after the run."),
+    ],
+    [
+        ("Can you help me plan a vegetable garden?",
+         "Gladly. How much space do you have, and how much sun does it get?"),
+        ("About four square metres with sun all afternoon.",
+         "That suits tomatoes, beans, lettuce and herbs well."),
+        ("When should I plant the tomatoes?",
+         "After the last frost, once nights stay above ten degrees."),
+        ("How often do they need water?",
+         "Deeply two or three times a week, more often in a heatwave."),
+    ],
+    [
+        ("What is a good first programming language?",
+         "Python is a popular choice: its syntax is readable and it has many tutorials."),
+        ("What can I build with it as a beginner?",
+         "Small games, a to-do list, or scripts that rename your photos."),
+        ("How long until I can get a job?",
+         "With steady practice, many people need one to two years."),
+        ("Which book should I read first?",
+         "Pick a project-based beginner book and type every example yourself."),
+    ],
+    [
+        ("I am visiting Lisbon for three days. Any tips?",
+         "Walk the Alfama district, ride tram 28 and try a custard tart in Belem."),
+        ("Is it easy to get around without a car?",
+         "Yes: metro, trams and buses cover the centre, and it is very walkable."),
+        ("What about a day trip?",
+         "Sintra is forty minutes by train, with palaces in the hills."),
+        ("Where should I watch the sunset?",
+         "The viewpoints of Graca or Santa Luzia look over the whole city."),
+    ],
 )
 
 
@@ -236,7 +260,8 @@ def multi_turn_chat(tokenizer, num_conversations: int = 3, num_turns: int = 3, s
             question = CONVERSATIONS[c][turn][0]
             prompts.append(template_ids(tokenizer, history + [{"role": "user", "content": question}]))
             labels.append(f"chat {c} turn {turn + 1}: {question}")
-    return Workload("multi_turn", f"{num_conversations} conversations x {num_turns} turns, each turn resends the history",
+    return Workload("multi_turn",
+                    f"{num_conversations} conversations x {num_turns} turns, each turn resends the history",
                     tuple(map(tuple, prompts)), tuple(labels))
 
 
@@ -244,6 +269,7 @@ def multi_turn_chat(tokenizer, num_conversations: int = 3, num_turns: int = 3, s
 
 BRANCH_ROOT = ("Write the opening line of a mystery story set in a lighthouse.",
                "The lamp had burned every night for ninety years, until the night the keeper vanished.")
+BRANCH_ANSWER = "The fog rolled in, and the bell began to ring on its own."
 BRANCHES = (
     ("Continue it as a ghost story.", "Continue it as a comedy.", "Continue it as a detective story."),
     ("Now make it end happily.", "Now end it with a twist.", "Now end it in one sentence."),
@@ -265,8 +291,7 @@ def branching(tokenizer, num_branches: int = 3, num_leaves: int = 2, seed: int =
         prompts.append(template_ids(tokenizer, trunk + [{"role": "user", "content": branch}]))
         labels.append(branch)
         # The branch's answer is scripted so the prompts are known in advance, like a replayed trace.
-        answered = trunk + [{"role": "user", "content": branch},
-                            {"role": "assistant", "content": "The fog rolled in, and the bell began to ring on its own."}]
+        answered = trunk + [{"role": "user", "content": branch}, {"role": "assistant", "content": BRANCH_ANSWER}]
         for leaf in rng.sample(BRANCHES[1], num_leaves):
             prompts.append(template_ids(tokenizer, answered + [{"role": "user", "content": leaf}]))
             labels.append(f"{branch} / {leaf}")
