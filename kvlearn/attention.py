@@ -99,8 +99,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     md, layer = attn_metadata, module.layer_idx
     kv_pool.store(layer, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
-    k = k_cache[md.kv_indices].transpose(1, 2).to(query.dtype)            # [B, kv_heads, Lmax, D]
-    v = v_cache[md.kv_indices].transpose(1, 2).to(query.dtype)
+    # index_select on the flattened indices is several times faster than advanced indexing on CPU.
+    flat, shape = md.kv_indices.reshape(-1), (*md.kv_indices.shape, *k_cache.shape[1:])
+    k = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(query.dtype)  # [B, kv_heads, Lmax, D]
+    v = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(query.dtype)
     q = query[0].transpose(0, 1)[md.query_index].transpose(1, 2)          # [B, heads, Qmax, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scaling, enable_gqa=True)
     heads, dim = out.shape[1], out.shape[3]

@@ -323,18 +323,14 @@ def write_outputs(results: list[SystemResult], workload: Workload, max_new_token
     }
     json_path = out_dir / f"bench_{workload.name}.json"
     json_path.write_text(json.dumps(record, indent=1) + "\n")
-    return [json_path, _save_png(plot(results, workload), out_dir, f"bench_{workload.name}")]
+    return [json_path, save_plot(plot(results, workload), out_dir, f"bench_{workload.name}")]
 
 
-def _save_png(fig, out_dir: Path, name: str) -> Path:
-    """figures/ goes through kvlearn.plots (deterministic files); any other folder the same way."""
+def save_plot(fig, out_dir: Path, name: str) -> Path:
+    """Write the figure as out_dir/name.png and release it."""
     import matplotlib.pyplot as plt
 
-    if out_dir.resolve() == FIGURES.resolve():
-        path = save_figure(fig, name)
-    else:
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight", metadata={"Software": None})
+    path = save_figure(fig, name, out_dir)
     plt.close(fig)
     return path
 
@@ -422,60 +418,3 @@ def main(argv: list[str]) -> int:
     print(f"\nall {len(results)} systems produced the same greedy tokens for all {workload.num_requests} prompts"
           + (" (up to the exact ties above)" if ties else ""))
     return 0
-
-
-# --- the engine part of `python -m kvlearn demo` ----------------------------------------------------
-
-def engine_demo(model, tokenizer, num_requests: int = 8, max_new_tokens: int = 32, show: int = 3,
-                out_dir: Path = FIGURES) -> bool:
-    """Serve the shared-system-prompt workload with the radix cache and with no cache; print a few
-    answers and both runs' stats; write the radix tree (demo_radix_tree.svg) and the comparison
-    plot (demo_engine.png) to `out_dir`. Returns whether both runs gave the same tokens."""
-    from kvlearn.engine import Engine
-    from kvlearn.viz import draw_radix
-
-    workload = make_workload("shared_system", tokenizer, num_requests=num_requests)
-    print(f"\n== Chapter 6: the serving engine ==\n{workload!r}")
-    results, engines = [], {}
-    for cache in ("radix", "none"):
-        start = time.perf_counter()
-        engines[cache] = Engine(model, tokenizer, cache=cache,
-                                num_slots=default_num_slots(workload.prompts, max_new_tokens))
-        outputs = engines[cache].generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=True)
-        s = engines[cache].stats
-        results.append(SystemResult(cache, [o.token_ids for o in outputs], time.perf_counter() - start,
-                                    s["computed_prefill_tokens"], s["hit_rate"], s["peak_slots"]))
-    for label, out in list(zip(workload.labels, outputs))[:show]:
-        print(f"\nQ: {label}\nA: {tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()}")
-    print("\n" + table(results, workload))
-    radix = engines["radix"].stats
-    print(f"radix: {radix['cached_tokens']:,} of {radix['prompt_tokens']:,} prompt tokens came from the cache "
-          f"(hit rate {radix['hit_rate']:.0%}), {radix['steps']} steps, peak {radix['peak_slots']:,} KV slots")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    svg = out_dir / "demo_radix_tree.svg"
-    svg.write_bytes(draw_radix(engines["radix"].cache, tokenizer).pipe(format="svg"))
-    png = _save_png(plot(results, workload), out_dir, "demo_engine")
-    print(f"figures: {svg}, {png}")
-    same = results[0].outputs == results[1].outputs
-    print("same greedy tokens with and without the cache: " + ("yes" if same else "NO"))
-    return same
-
-
-def demo(argv: list[str]) -> int:
-    """`python -m kvlearn.bench`-style entry for the engine demo alone (the lead's `demo` calls
-    `engine_demo` with the model it already loaded)."""
-    p = argparse.ArgumentParser(prog="kvlearn engine demo", description=engine_demo.__doc__)
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", default=None)
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or not 1 <= args.requests <= 24:
-        p.error("--max-new-tokens must be >= 1 and --requests between 1 and 24")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from kvlearn.model import load_model
-
-    model, tokenizer = load_model(device=args.device)
-    return 0 if engine_demo(model, tokenizer, args.requests, args.max_new_tokens) else 1

@@ -132,10 +132,24 @@ class BlockManager:
         """Free blocks in the order they will be handed out (least recently freed first)."""
         return list(self._free)
 
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks whose published prefix can still be hit: the cache's evictable part."""
+        return sum(self.hash_to_block_id.get(self.blocks[b].hash) == b for b in self._free)
+
+    def evict_cached(self) -> int:
+        """Forget every published prefix held only by free blocks (their KV becomes garbage);
+        returns the tokens forgotten. Blocks in use keep their hashes."""
+        evicted = [b for b in self._free if self.hash_to_block_id.get(self.blocks[b].hash) == b]
+        for b in evicted:
+            block = self.blocks[b]
+            del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, []
+        return len(evicted) * self.block_size
+
     def __repr__(self) -> str:
-        cached_free = sum(self.hash_to_block_id.get(self.blocks[b].hash) == b for b in self._free)
         return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"free={self.num_free_blocks} ({cached_free} still cached), "
+                f"free={self.num_free_blocks} ({self.num_cached_free_blocks} still cached), "
                 f"hashed={len(self.hash_to_block_id)}, live_seqs={len(self._live)})")
 
     # --- checks: every public method validates before it changes anything -----------------

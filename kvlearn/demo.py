@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from pathlib import Path
+
+from kvlearn.plots import FIGURES
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -27,13 +30,54 @@ def chapter0(model, tokenizer, max_new_tokens: int) -> None:
     print("\nKV cache size per token (bf16) and what fits in 1 GiB:\n" + kv_table())
 
 
+def engine(model, tokenizer, num_requests: int = 8, max_new_tokens: int = 32, show: int = 3,
+           out_dir: Path = FIGURES) -> bool:
+    """Serve the shared-system-prompt workload with the radix cache and with no cache; print a few
+    answers and both runs' stats; write the radix tree (demo_radix_tree.svg) and the comparison
+    plot (demo_engine.png) to `out_dir`. Returns whether both runs gave the same tokens."""
+    from kvlearn.bench import SystemResult, default_num_slots, plot, save_plot, table
+    from kvlearn.engine import Engine
+    from kvlearn.viz import draw_radix
+    from kvlearn.workloads import make_workload
+
+    workload = make_workload("shared_system", tokenizer, num_requests=num_requests)
+    print(f"\n== Chapter 6: the serving engine ==\n{workload!r}")
+    results, engines = [], {}
+    for cache in ("radix", "none"):
+        start = time.perf_counter()
+        engines[cache] = Engine(model, tokenizer, cache=cache,
+                                num_slots=default_num_slots(workload.prompts, max_new_tokens))
+        outputs = engines[cache].generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=True)
+        s = engines[cache].stats
+        results.append(SystemResult(cache, [o.token_ids for o in outputs], time.perf_counter() - start,
+                                    s["computed_prefill_tokens"], s["hit_rate"], s["peak_slots"]))
+    for label, out in list(zip(workload.labels, outputs))[:show]:
+        print(f"\nQ: {label}\nA: {tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()}")
+    print("\n" + table(results, workload))
+    radix = engines["radix"].stats
+    print(f"radix: {radix['cached_tokens']:,} of {radix['prompt_tokens']:,} prompt tokens came from the cache "
+          f"(hit rate {radix['hit_rate']:.0%}), {radix['steps']} steps, peak {radix['peak_slots']:,} KV slots")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    svg = out_dir / "demo_radix_tree.svg"
+    svg.write_bytes(draw_radix(engines["radix"].cache, tokenizer).pipe(format="svg"))
+    png = save_plot(plot(results, workload), out_dir, "demo_engine")
+    print(f"figures: {svg}, {png}")
+    same = results[0].outputs == results[1].outputs
+    print("same greedy tokens with and without the cache: " + ("yes" if same else "NO"))
+    return same
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlearn demo", description=__doc__)
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens decoded in chapter 0")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--requests", type=int, default=8, help="requests served by the engine (1-24)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    if not 1 <= args.requests <= 24:
+        parser.error("--requests must be between 1 and 24")
 
     import matplotlib
 
@@ -44,7 +88,9 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(device=args.device)
     print(f"model loaded in {time.perf_counter() - start:.1f} s on {model.device}")
     chapter0(model, tokenizer, args.max_new_tokens)
-    return 0
+    same = engine(model, tokenizer, args.requests, args.max_new_tokens)
+    print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
+    return 0 if same else 1
 
 
 def check(argv=None) -> int:

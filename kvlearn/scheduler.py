@@ -348,8 +348,7 @@ class BlockKV:
     @property
     def evictable_slots(self) -> int:
         """Slots of free blocks that still hold a published prefix."""
-        m = self.manager
-        return sum(m.blocks[b].ref_count == 0 for b in m.hash_to_block_id.values()) * self.page_size
+        return self.manager.num_cached_free_blocks * self.page_size
 
     @property
     def free_slots(self) -> int:
@@ -363,13 +362,9 @@ class BlockKV:
 
     def evict_all(self) -> int:
         """Forget every published block nobody uses (their slots are already free)."""
-        m = self.manager
-        unused = [h for h, b in m.hash_to_block_id.items() if m.blocks[b].ref_count == 0]
-        for h in unused:
-            block = m.blocks[m.hash_to_block_id.pop(h)]
-            block.hash, block.token_ids = None, []
-        self.evicted_tokens += len(unused) * self.page_size
-        return len(unused) * self.page_size
+        freed = self.manager.evict_cached()
+        self.evicted_tokens += freed
+        return freed
 
 
 def make_kv_manager(cache: str, pool: KVPool):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvlearn import bench
+from kvlearn import bench, demo
 from kvlearn.bench import SystemResult, check_bars, compare_tokens, simulate, table
 from kvlearn.workloads import make_workload
 
@@ -82,7 +82,7 @@ def test_command_line_end_to_end(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_engine_demo_writes_its_figures(model, tokenizer, tmp_path, capsys):
-    assert bench.engine_demo(model, tokenizer, num_requests=2, max_new_tokens=3, out_dir=tmp_path)
+    assert demo.engine(model, tokenizer, num_requests=2, max_new_tokens=3, out_dir=tmp_path)
     out = capsys.readouterr().out
     assert "came from the cache" in out and "same greedy tokens with and without the cache: yes" in out
     assert (tmp_path / "demo_radix_tree.svg").read_text().startswith("<?xml")
@@ -96,7 +96,7 @@ def test_bad_arguments_exit_with_usage(argv):
         bench.main(argv)
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit):
-        bench.demo(["--requests", "0"])
+        demo.main(["--requests", "0"])
 
 
 def test_exercise_checkers_accept_right_and_refuse_wrong_answers(capsys):

@@ -304,3 +304,18 @@ def test_repr_is_readable():
     assert repr(m) == "BlockManager(num_blocks=4, block_size=2, free=1 (0 still cached), hashed=2, live_seqs=1)"
     assert repr(m.blocks[2]) == "Block(block_id=2, ref_count=1, hash=-, tokens=[])"
     assert repr(m.blocks[0]).startswith("Block(block_id=0, ref_count=1, hash=")
+
+
+def test_evict_cached_forgets_only_prefixes_held_by_free_blocks():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    done, live = Sequence(list(range(9)), block_size=4), Sequence(list(range(100, 109)), block_size=4)
+    for seq in (done, live):
+        manager.allocate(seq)
+        manager.hash_blocks(seq)
+    manager.deallocate(done)  # its two full blocks stay published, now free
+    assert manager.num_cached_free_blocks == 2 and len(manager.hash_to_block_id) == 4
+    assert manager.evict_cached() == 8
+    assert manager.num_cached_free_blocks == 0 and len(manager.hash_to_block_id) == 2  # live's blocks kept
+    assert manager.num_cached_prefix(Sequence(list(range(9)), block_size=4)) == 0
+    assert manager.num_cached_prefix(Sequence(list(range(100, 109)), block_size=4)) == 8
+    assert manager.evict_cached() == 0
