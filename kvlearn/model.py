@@ -112,8 +112,10 @@ def load_model(device=None, dtype: torch.dtype = torch.float32):
 def chat_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
     """Token ids of one user turn (and an optional system turn) under the model's chat template."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return template_ids(tokenizer, messages)
 
+
+def template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (a list of {"role", "content"}) ending with the assistant's turn to speak."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])

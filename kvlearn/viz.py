@@ -6,7 +6,10 @@ always gives the same picture and the same text.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import graphviz
+import torch
 
 # --- block tables (chapters 1-2) -----------------------------------------------------------
 
@@ -89,7 +92,6 @@ def draw_blocks(manager, seqs) -> graphviz.Digraph:
 
 # --- radix tree (chapter 3) ----------------------------------------------------------------
 
-from typing import NamedTuple  # noqa: E402  (kept in this chapter's section)
 
 # Fill colours of a tree node: its state, or what the step just recorded did to it.
 _RADIX_COLORS = {"evictable": "white", "locked": "#cfe2f3", "new": "#d9f0d3", "split": "#fff2cc",
@@ -334,8 +336,6 @@ def radix_widget(trace: RadixTrace, step: int = 0):
 
 
 # --- kv pool and paged attention (chapters 4-5) ------------------------------------------
-
-import torch  # noqa: E402  (kept in this chapter's section)
 
 
 def _slot_owners(pool, owners: dict) -> list[int]:

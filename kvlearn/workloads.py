@@ -21,6 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvlearn.model import template_ids
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -81,12 +83,6 @@ def _common_prefix_len(a, b) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat (list of {"role", "content"}) ending with the assistant's turn to speak."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
 def _check_count(name: str, value: int, available: int | None = None) -> None:
