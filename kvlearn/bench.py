@@ -188,7 +188,8 @@ def simulate(workload, cache: str, max_new_tokens: int = 32, num_slots: int | No
     none stops early.
     """
     from kvlearn.pool import KVPool
-    from kvlearn.scheduler import Request, Scheduler, make_kv_manager
+    from kvlearn.kv_manager import make_kv_manager
+    from kvlearn.scheduler import Request, Scheduler
 
     prompts = workload.prompt_lists() if isinstance(workload, Workload) else [list(p) for p in workload]
     page_size = page_size or (16 if cache == "blocks" else 1)

@@ -10,7 +10,8 @@ from tests.hf_reference import hf_greedy
 from kvlearn.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.pool import KVPool
-from kvlearn.scheduler import CACHE_MODES, SCHEDULES, BlockKV, Request, Scheduler, make_kv_manager
+from kvlearn.kv_manager import CACHE_MODES, BlockKV, make_kv_manager
+from kvlearn.scheduler import SCHEDULES, Request, Scheduler
 from kvlearn.workloads import make_workload, unique_token_floor
 
 # --- a stand-in model that proves the KV it reads is the right one --------------------------------
