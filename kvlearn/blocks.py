@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvlearn.errors import KVCapacityError
+from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.sequence import Sequence
 
 HashFn = Callable[["int | None", "list[int]"], int]
@@ -100,11 +100,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_fn: HashFn | None = None):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
-            if value <= 0:
-                raise ValueError(f"{name} must be >= 1, got {value}.")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size, " (tokens per block)")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable as hash_fn(parent_hash, token_ids), got {hash_fn!r}.")
         self.block_size = block_size

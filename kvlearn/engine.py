@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlearn.errors import KVCapacityError
+from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
@@ -51,12 +51,6 @@ def with_rates(counters: dict, wall_time_s: float) -> dict:
     return stats
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-    return value
-
-
 class Engine:
     """Greedy generation for many prompts at once, with KV in one pool and a prefix cache.
 
@@ -77,12 +71,12 @@ class Engine:
             raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
         if page_size is None:
             page_size = DEFAULT_BLOCK_SIZE if cache == "blocks" else 1
-        _positive_int("page_size", page_size)
-        num_slots = _positive_int("num_slots", DEFAULT_NUM_SLOTS if num_slots is None else num_slots)
+        check_positive_int("page_size", page_size)
+        num_slots = check_positive_int("num_slots", DEFAULT_NUM_SLOTS if num_slots is None else num_slots)
         if num_slots % page_size:
             raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size}): "
                              f"use {max(num_slots // page_size, 1) * page_size}.")
-        _positive_int("max_batch_tokens", max_batch_tokens)
+        check_positive_int("max_batch_tokens", max_batch_tokens)
         self.model, self.tokenizer, self.cache_mode = model, tokenizer, cache
         self.vocab_size = model.config.vocab_size
         eos = model.generation_config.eos_token_id
@@ -130,7 +124,7 @@ class Engine:
 
     def _make_requests(self, prompts, max_new_tokens) -> list[Request]:
         """Check every prompt before any is queued, so bad input leaves the engine unchanged."""
-        _positive_int("max_new_tokens", max_new_tokens)
+        check_positive_int("max_new_tokens", max_new_tokens)
         requests = [Request(-1, self._prompt_ids(p), max_new_tokens) for p in prompts]
         for i, req in enumerate(requests):
             if not self.kv.fits(req):

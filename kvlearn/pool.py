@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.errors import KVCapacityError
+from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
 from kvlearn.model import resolve_device
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}.")
-    return value
 
 
 class KVPool:
@@ -42,7 +34,7 @@ class KVPool:
                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("num_slots", num_slots), ("page_size", page_size)):
-            _positive_int(name, value)
+            check_positive_int(name, value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
         if num_slots % page_size:
@@ -86,8 +78,8 @@ class KVPool:
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,
                          page_size: int = 1) -> int:
         """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count."""
-        _positive_int("memory_budget_bytes", memory_budget_bytes)
-        _positive_int("page_size", page_size)
+        check_positive_int("memory_budget_bytes", memory_budget_bytes)
+        check_positive_int("page_size", page_size)
         per_token = kv_bytes_per_token(config, dtype)
         slots = memory_budget_bytes // per_token // page_size * page_size
         if slots == 0:
@@ -193,8 +185,8 @@ class ReqToTokenPool:
     through it. Rows are reused after `free`; entries past a row's length are meaningless."""
 
     def __init__(self, max_requests: int, max_context_len: int, device=None):
-        _positive_int("max_requests", max_requests)
-        _positive_int("max_context_len", max_context_len)
+        check_positive_int("max_requests", max_requests)
+        check_positive_int("max_context_len", max_context_len)
         self.device = resolve_device(device)
         self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int64, device=self.device)
         self.lengths = [0] * max_requests

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from kvlearn.errors import check_positive_int
+
 
 class TreeNode:
     """One edge of the tree and the node below it.
@@ -92,10 +94,7 @@ class RadixCache:
 
     def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
                  device: str | torch.device = "cpu"):
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int (tokens per page), got {page_size!r}.")
-        if page_size <= 0:
-            raise ValueError(f"page_size must be >= 1 (tokens per page), got {page_size}.")
+        check_positive_int("page_size", page_size, " (tokens per page)")
         if evict_callback is not None and not callable(evict_callback):
             raise TypeError(f"evict_callback must be callable(value_tensor) or None, got {evict_callback!r}.")
         self.page_size = page_size

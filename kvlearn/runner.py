@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from kvlearn.attention import AttentionMetadata, register
+from kvlearn.errors import check_positive_int
 from kvlearn.pool import KVPool
 
 
@@ -102,8 +103,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
     then decode them together, one token each per step, until each hits EOS or max_new_tokens.
     Slots come from the pool a page at a time and all go back at the end (also on error).
     Returns the generated tokens of each prompt (EOS included when reached)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    check_positive_int("max_new_tokens", max_new_tokens)
     pool = runner.pool
     owned = [torch.empty(0, dtype=torch.int64, device=pool.device) for _ in prompts]
     context = [0] * len(prompts)                 # tokens whose K/V are in the pool

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlearn.errors import check_positive_int
 from kvlearn.radix import RadixCache
 
 SCHEDULES = ("fcfs", "lpm")
@@ -127,8 +128,7 @@ class Scheduler:
                  eos_token_ids=(), in_batch_threshold: int = 1):
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be an int >= 1, got {max_batch_tokens!r}.")
+        check_positive_int("max_batch_tokens", max_batch_tokens)
         self.kv, self.max_batch_tokens, self.schedule_policy = kv, max_batch_tokens, schedule
         self.eos_token_ids = frozenset(eos_token_ids)
         self.in_batch_threshold = in_batch_threshold

@@ -12,6 +12,8 @@ import itertools
 
 import numpy as np
 
+from kvlearn.errors import check_positive_int
+
 _seq_ids = itertools.count()
 
 
@@ -34,10 +36,7 @@ class Sequence:
     """
 
     def __init__(self, token_ids, block_size: int = 16):
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size must be an int, got {type(block_size).__name__} {block_size!r}.")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be >= 1 tokens per block, got {block_size}.")
+        check_positive_int("block_size", block_size, " (tokens per block)")
         if hasattr(token_ids, "tolist"):  # a numpy array or a torch tensor of ids
             token_ids = token_ids.tolist()
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
