@@ -187,17 +187,27 @@ def simulate(workload, cache: str, max_new_tokens: int = 32, num_slots: int | No
     outputs would have been shared: here every request generates the same filler token, and
     none stops early.
     """
-    from kvlearn.pool import KVPool
+    from kvlearn.engine import DEFAULT_BLOCK_SIZE
+    from kvlearn.errors import KVCapacityError, check_positive_int
     from kvlearn.kv_manager import make_kv_manager
+    from kvlearn.pool import KVPool
     from kvlearn.scheduler import Request, Scheduler
 
+    check_positive_int("max_new_tokens", max_new_tokens)
     prompts = workload.prompt_lists() if isinstance(workload, Workload) else [list(p) for p in workload]
-    page_size = page_size or (16 if cache == "blocks" else 1)
+    if not prompts or not all(prompts):
+        raise ValueError("simulate needs at least one prompt, and no empty prompt.")
+    page_size = page_size or (DEFAULT_BLOCK_SIZE if cache == "blocks" else 1)
     num_slots = num_slots or default_num_slots(prompts, max_new_tokens, page_size)
     pool = KVPool(1, 1, 1, num_slots, page_size=page_size)  # slots only: one number each
-    scheduler = Scheduler(make_kv_manager(cache, pool), schedule=schedule)
+    kv = make_kv_manager(cache, pool)
+    scheduler = Scheduler(kv, schedule=schedule)
     for rid, prompt in enumerate(prompts):
-        scheduler.add(Request(rid, prompt, max_new_tokens))
+        req = Request(rid, prompt, max_new_tokens)
+        if not kv.fits(req):
+            raise KVCapacityError(f"Prompt {rid} needs KV for {req.max_tokens} tokens but the pool holds "
+                                  f"{kv.capacity}: use a bigger num_slots.")
+        scheduler.add(req)
     filler = prompts[0][-1]  # any token id; never an end of sequence
     while scheduler.has_unfinished():
         batch = scheduler.schedule()

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from kvlearn.plots import FIGURES
+from kvlearn.workloads import LIBRARY_QUESTIONS
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -71,13 +72,14 @@ def engine(model, tokenizer, num_requests: int = 8, max_new_tokens: int = 32, sh
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlearn demo", description=__doc__)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer")
-    parser.add_argument("--requests", type=int, default=8, help="requests served by the engine (1-24)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help=f"requests served by the engine (1-{len(LIBRARY_QUESTIONS)})")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
-    if not 1 <= args.requests <= 24:
-        parser.error("--requests must be between 1 and 24")
+    if not 1 <= args.requests <= len(LIBRARY_QUESTIONS):
+        parser.error(f"--requests must be between 1 and {len(LIBRARY_QUESTIONS)}")
 
     import matplotlib
 

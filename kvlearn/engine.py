@@ -60,7 +60,8 @@ class Engine:
     computed per step at most (decodes count one each; a prompt alone may exceed it).
     schedule: "fcfs" or "lpm" (longest cached prefix first).
 
-    `stats` covers the steps since the last `reset_stats()` (`generate` resets first).
+    `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
+    requests queued by `add_request` are still running).
     """
 
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
@@ -165,10 +166,11 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 32, progress: bool = False) -> list[GenerationOutput]:
         """Greedy-generate for every prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, (list, tuple)):
+        if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or token-id lists).")
         requests = self._make_requests(prompts, max_new_tokens)
-        self.reset_stats()
+        if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
+            self.reset_stats()
         self._queue(requests)
         bar = None
         if progress:
@@ -198,6 +200,7 @@ class Engine:
         return with_rates(self.scheduler.stats, self._wall_time)
 
     def evict_all(self) -> int:
-        """Drop every cached token no request is using (tokens freed); with nothing running, the
-        whole pool is free afterwards."""
+        """Drop every cached token no request is using (tokens freed); with nothing running,
+        every slot is free afterwards (`kv.free_slots == pool.num_slots`; in "blocks" mode the
+        block manager keeps owning the pool's slots, so `pool.num_free` stays 0)."""
         return self.kv.evict_all()

@@ -8,8 +8,10 @@ All three offer the same small interface to the scheduler (`fits`, `cached_len`,
   and its prompt (after its prefill) and finally prompt + output join the tree;
 - `BlockKV`: chapter 2's block manager, which owns every slot of the pool as fixed-size blocks.
 
-Invariant (the scheduler checks it after every step): free slots + evictable cached slots + slots
-used by live requests (shared ones once) == pool size.
+Invariant (the scheduler calls `check` after every step): free slots + evictable cached slots +
+slots used by live requests (shared ones once) == pool size. NoCacheKV and RadixKV count each term
+separately; in BlockKV free slots are derived from the block counts, so its check is the block
+form of the same rule: the blocks in use are exactly those in live requests' block tables.
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ class NoCacheKV:
         return -(-n // self.page_size)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
-        """`n` slots (whole pages), evicting cached tokens if short; None when the pool cannot."""
+        """`n` slots (whole pages), evicting cached tokens if short; None, with the cache left
+        intact, when even evicting everything unlocked would not make room."""
+        if self.pool.num_free + self.evictable_slots < n:
+            return None
         if self.pool.num_free < n:
             self._evict(n - self.pool.num_free)
-        return self.pool.alloc(n) if self.pool.num_free >= n else None
+        return self.pool.alloc(n)
 
     def _evict(self, num_tokens: int) -> None:
         pass
@@ -187,10 +192,8 @@ class RadixKV(NoCacheKV):
             self._insert(req, keep_locked=True)
 
     def release(self, req: Request) -> None:
-        self._insert(req, keep_locked=False)
-        state = req.kv_state
-        self.pool.free(state.slots[state.prefix_len:state.num_slots])  # the tail the tree did not take
-        req.kv_state, req.num_computed = None, 0
+        self._insert(req, keep_locked=False)  # the tree takes the computed head: free only the tail
+        super().release(req)
 
     def _insert(self, req: Request, keep_locked: bool) -> None:
         """Hand the request's computed tokens to the tree; the tree now owns their slots.
@@ -237,13 +240,11 @@ class BlockKV:
     name = "blocks"
     caches_prefixes = True
 
-    def __init__(self, pool: KVPool, block_size: int):
-        if pool.num_slots % block_size:
-            raise ValueError(f"The pool's {pool.num_slots} slots are not a whole number of {block_size}-token "
-                             f"blocks: use a multiple of {block_size}.")
+    def __init__(self, pool: KVPool):
+        # A block is one page of the pool (the pool keeps num_slots a multiple of page_size).
         pool.alloc(pool.num_slots)  # every slot now belongs to the block manager
-        self.pool, self.page_size = pool, block_size
-        self.manager = self.cache = BlockManager(pool.num_slots // block_size, block_size,
+        self.pool, self.page_size = pool, pool.page_size
+        self.manager = self.cache = BlockManager(pool.num_slots // pool.page_size, pool.page_size,
                                                  enable_prefix_caching=True)
         self.evicted_tokens = 0
 
@@ -327,7 +328,7 @@ def make_kv_manager(cache: str, pool: KVPool):
     if cache == "radix":
         return RadixKV(pool)
     if cache == "blocks":
-        return BlockKV(pool, pool.page_size)
+        return BlockKV(pool)
     if cache == "none":
         return NoCacheKV(pool)
     raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")

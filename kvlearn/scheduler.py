@@ -13,8 +13,8 @@ its partner's prompt is published to the cache right after its prefill, so the p
 once (SGLang's in-batch prefix check).
 
 Where each request's KV lives is the business of a KV manager (`kvlearn.kv_manager`): the
-scheduler only asks it to admit, grow and release requests, and checks after every step that free
-slots + evictable cached slots + slots used by live requests (shared ones once) == pool size.
+scheduler only asks it to admit, grow and release requests, and has it check slot conservation
+after every step.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.status = "waiting"
         self.num_computed = 0
-        self.num_preemptions = 0
         self.kv_state = None  # the KV manager's handle: slots and a tree lock, or a Sequence
 
     @property
@@ -196,7 +195,6 @@ class Scheduler:
         self.kv.release(req)
         self.running.remove(req)
         req.status = "waiting"
-        req.num_preemptions += 1
         self.waiting.appendleft(req)
         self.report.preempted.append(req.rid)
 

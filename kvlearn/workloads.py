@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvlearn.errors import check_positive_int
 from kvlearn.model import template_ids
 
 
@@ -86,8 +87,7 @@ def _common_prefix_len(a, b) -> int:
 
 
 def _check_count(name: str, value: int, available: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    check_positive_int(name, value)
     if available is not None and value > available:
         raise ValueError(f"{name}={value} is more than the {available} distinct items this workload has; "
                          f"ask for at most {available}.")

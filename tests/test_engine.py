@@ -7,10 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.hf_reference import hf_greedy
+from kvlearn.bench import simulate
 from kvlearn.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.pool import KVPool
-from kvlearn.kv_manager import CACHE_MODES, BlockKV, make_kv_manager
+from kvlearn.kv_manager import CACHE_MODES, make_kv_manager
 from kvlearn.scheduler import SCHEDULES, Request, Scheduler
 from kvlearn.workloads import make_workload, unique_token_floor
 
@@ -184,6 +185,41 @@ def test_pressure_evicts_then_preempts_the_newest_and_recovers():
     assert_all_free_after_evict(scheduler, pool)
 
 
+def test_a_refused_admission_keeps_the_cache():
+    """A request that cannot fit even after evicting everything unlocked is refused without
+    evicting anything: the cached prefix is still there for the next request that can use it."""
+    kv = make_kv_manager("radix", KVPool(1, 1, 1, 64))
+    scheduler = Scheduler(kv, schedule="lpm")
+    shared = list(range(100, 130))
+
+    def step():
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, [7] * len(batch))
+
+    scheduler.add(Request(0, shared, 1))
+    step()
+    assert kv.evictable_slots == 30
+    scheduler.add(Request(1, list(range(200, 210)), 20))
+    scheduler.add(Request(2, list(range(300, 360)), 2))  # 61 slots: never fits while r1 runs
+    step()
+    assert kv.evictable_slots == 30 and scheduler.stats["evicted_tokens"] == 0
+    scheduler.add(Request(3, shared + [5], 4))
+    step()
+    assert scheduler.report.prefills[0][:2] == (3, 30)  # r3 reused the 30 cached tokens
+    while scheduler.has_unfinished():
+        step()
+    assert kv.free_slots + kv.evictable_slots == 64
+
+
+def test_simulate_rejects_what_could_never_run():
+    with pytest.raises(KVCapacityError, match="num_slots"):
+        simulate([list(range(1, 11))], "radix", max_new_tokens=2, num_slots=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        simulate([[1, 2, 3]], "none", max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        simulate([[1, 2], []], "none")
+
+
 def test_scheduler_rejects_bad_settings():
     pool = KVPool(1, 1, 1, 8)
     with pytest.raises(ValueError, match="schedule"):
@@ -192,8 +228,8 @@ def test_scheduler_rejects_bad_settings():
         Scheduler(make_kv_manager("none", pool), max_batch_tokens=0)
     with pytest.raises(ValueError, match="cache"):
         make_kv_manager("lru", pool)
-    with pytest.raises(ValueError, match="whole number of 4-token blocks"):
-        BlockKV(KVPool(1, 1, 1, 10), 4)
+    with pytest.raises(ValueError, match="page_size"):  # blocks are pages: the pool must hold whole ones
+        KVPool(1, 1, 1, 10, page_size=4)
 
 
 # --- the real model ------------------------------------------------------------------------------
@@ -312,3 +348,16 @@ def test_bad_input_is_rejected_and_the_engine_still_works(model, tokenizer):
     assert out[0].token_ids == hf_greedy(model, ok, 2)
     with pytest.raises(RuntimeError, match="Nothing to run"):
         engine.step()
+
+
+@pytest.mark.slow
+def test_generate_while_earlier_requests_run_counts_them_whole(model, tokenizer):
+    engine = Engine(model, tokenizer, cache="radix", num_slots=1024)
+    first = engine.add_request("Tell me a long story about a dragon.", max_new_tokens=12)
+    engine.step()
+    engine.generate(["Hi"], max_new_tokens=2)
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats
+    assert first.status == "finished" and stats["requests"] == 2
+    assert stats["cached_tokens"] + stats["computed_prefill_tokens"] == stats["prompt_tokens"]
