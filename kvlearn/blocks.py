@@ -4,9 +4,11 @@ The KV pool is cut into `num_blocks` blocks of `block_size` token slots. Token p
 sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
 
 Prefix reuse: a full block whose KV has been computed is published under a chained hash
-`h_i = hash_fn(h_{i-1}, tokens of block i)`, so equal hashes mean equal prefixes, not just equal
-blocks. A new sequence walks its full blocks and shares every published block it finds, up to the
-first miss. A freed block keeps its hash and tokens, so it can still be hit, until the free list
+`h_i = hash_fn(h_{i-1}, tokens of block i)`, so (with a strong hash) equal hashes mean equal
+prefixes, not just equal blocks. The collision guard checks what it can without rehashing: a hit
+needs the stored tokens and the stored parent hash to be equal too.
+A new sequence walks its full blocks and shares every published block it finds, up to the first
+miss. A freed block keeps its hash and tokens, so it can still be hit, until the free list
 hands it out again; the free list gives out the least recently freed block first.
 
 How an engine drives it (every token's KV is written before `hash_blocks` sees it):
@@ -75,6 +77,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: list[int] = field(default_factory=list)
+    parent_hash: int | None = None  # hash of the block before it when its KV was computed
 
     def __repr__(self) -> str:
         return (f"Block(block_id={self.block_id}, ref_count={self.ref_count}, hash={short_hash(self.hash)}, "
@@ -141,7 +144,7 @@ class BlockManager:
         for b in evicted:
             block = self.blocks[b]
             del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, []
+            block.hash, block.token_ids, block.parent_hash = None, [], None
         return len(evicted) * self.block_size
 
     def __repr__(self) -> str:
@@ -185,11 +188,12 @@ class BlockManager:
         hit, h = [], None
         for i in range(self._max_cached_blocks(seq)):
             tokens = seq.block(i)
-            h = self.hash_fn(h, tokens)
+            parent, h = h, self.hash_fn(h, tokens)
             block_id = self.hash_to_block_id.get(h)
-            # Equal hashes with unequal tokens is a collision: treat it as a miss. Stop at the
-            # first miss, because every later block's KV was computed after this block's tokens.
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            # Equal hashes with unequal tokens or a different parent is a collision: treat it as a
+            # miss. Stop at the first miss: every later block's KV was computed after this one's.
+            if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].parent_hash) \
+                    != (tokens, parent):
                 break
             hit.append(block_id)
         return hit
@@ -248,7 +252,7 @@ class BlockManager:
         # entry if it is ours; a duplicate block may share the hash with the registered one.
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, [], 1
+        block.hash, block.token_ids, block.parent_hash, block.ref_count = None, [], None, 1
         return block_id
 
     def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
@@ -279,8 +283,8 @@ class BlockManager:
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.block(i)
-            h = self.hash_fn(h, tokens)
-            block.hash, block.token_ids = h, tokens
+            parent, h = h, self.hash_fn(h, tokens)
+            block.hash, block.token_ids, block.parent_hash = h, tokens, parent
             self.hash_to_block_id.setdefault(h, block.block_id)
         return max(0, num_full - start)
 
@@ -294,7 +298,8 @@ class BlockManager:
         self._check_live(seq)
         needed = seq.num_blocks - len(seq.block_table)
         if needed > self.num_free_blocks:
-            raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but none is free: "
+            raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but only "
+                                  f"{self.num_free_blocks} are free: "
                                   "preempt (deallocate) a sequence first (check can_append).")
         seq.block_table.extend(self._take_free_block() for _ in range(needed))
 

@@ -157,8 +157,10 @@ class KVPool:
     def _pages_of(self, indices) -> torch.Tensor:
         """Validate slot ids given to `free` and return the distinct pages they cover."""
         if not isinstance(indices, torch.Tensor):
-            indices = torch.as_tensor(indices, dtype=torch.int64)
-        if indices.dtype in (torch.bool,) or indices.is_floating_point() or indices.is_complex():
+            indices = torch.as_tensor(indices)  # no dtype: floats and bools must reach the check below
+            if indices.numel() == 0:
+                indices = indices.long()
+        if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
             raise TypeError(f"Slot indices must be integers, got a {indices.dtype} tensor.")
         indices = indices.reshape(-1).to(device=self.device, dtype=torch.int64)
         if indices.numel() and (indices.min() < 0 or indices.max() >= self.num_slots):
@@ -232,7 +234,8 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def _check_live(self, row: int) -> None:
-        if not isinstance(row, int) or not 0 <= row < len(self.lengths) or row in self._free_rows:
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.lengths) \
+                or row in self._free_rows:
             raise ValueError(f"Row {row!r} is not a live request row: use a row returned by alloc() "
                              "and not yet freed.")
 

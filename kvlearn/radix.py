@@ -83,8 +83,8 @@ class RadixCache:
     The engine's flow for one request:
         m = cache.match_prefix(prompt); cache.lock(m.last_node)       # reuse m.indices
         ... compute the rest, slots come from the pool ...
-        n = cache.insert(tokens, slots)        # tokens = prompt + output[:-1]
-        pool.free(slots[:n])                   # duplicates of what the tree already held
+        n = cache.insert(tokens, slots)        # tokens = prompt + output[:-1]; slots[:len(m)] = m.indices
+        pool.free(slots[len(m):n])             # our copies of tokens someone inserted meanwhile
         pool.free(slots[len(tokens) // page_size * page_size:])   # unaligned tail (pages > 1)
         cache.unlock(m.last_node)
     To keep the inserted path protected for longer (e.g. a prompt inserted right after its prefill,
@@ -268,9 +268,9 @@ class RadixCache:
             node.parent = None
             self._evictable -= len(node.key)
             freed += len(node.key)
+            self._touch_leaf(parent)  # before the callback: a raising callback must not strand it
             if self.evict_callback is not None:
                 self.evict_callback(node.value)
-            self._touch_leaf(parent)
         return freed
 
     def _touch_leaf(self, node: TreeNode) -> None:

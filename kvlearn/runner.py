@@ -89,8 +89,10 @@ class ModelRunner:
         if self.pool.is_free(every).any():
             raise ValueError("kv_indices name slots that are free in the pool: alloc() them first.")
         new_slots = torch.cat([s[len(s) - len(ids):] for ids, s in zip(input_ids, checked)])
-        if new_slots.unique().numel() != new_slots.numel():
-            raise ValueError("Two new tokens would be written to the same slot: give each its own.")
+        cached = torch.cat([s[:len(s) - len(ids)] for ids, s in zip(input_ids, checked)])
+        if new_slots.unique().numel() != new_slots.numel() or torch.isin(new_slots, cached).any():
+            raise ValueError("A new token would be written to the slot of another new token or of a cached "
+                             "context token: give each new token a freshly allocated slot.")
         return checked
 
     def __repr__(self) -> str:

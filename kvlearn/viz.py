@@ -286,11 +286,11 @@ class RadixTrace:
 
     def evict(self, num_tokens: int) -> int:
         # Listen to the eviction callback to tell the order the nodes went in.
-        first_slot = {v.slots[0]: v.id for v in self.steps[-1].views[1:]}
+        node_of = {id(n.value): n.id for n in self.cache.nodes()}  # evict hands over node.value itself
         order, callback = [], self.cache.evict_callback
 
         def listen(value):
-            order.append(first_slot.get(int(value[0]), "?"))
+            order.append(node_of.get(id(value), "?"))
             if callback is not None:
                 callback(value)
 

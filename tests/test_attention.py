@@ -159,6 +159,7 @@ def test_attention_is_restored_when_the_forward_fails(model, prompts, monkeypatc
     (lambda s: ([[1]], [torch.tensor([64])]), ValueError),                  # slot outside the pool
     (lambda s: ([[1]], [torch.tensor([40])]), ValueError),                  # slot not allocated
     (lambda s: ([[1], [2]], [s[:1], s[:1]]), ValueError),                   # two tokens, one slot
+    (lambda s: ([[1], [2]], [s[:2], s[:1]]), ValueError),                   # new token onto cached KV
     (lambda s: ([1], [s[:1]]), TypeError),                                  # not a list of lists
 ])
 def test_runner_bad_input_leaves_the_pool_unchanged(model, make_args, error):

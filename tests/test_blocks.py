@@ -319,3 +319,18 @@ def test_evict_cached_forgets_only_prefixes_held_by_free_blocks():
     assert manager.num_cached_prefix(Sequence(list(range(9)), block_size=4)) == 0
     assert manager.num_cached_prefix(Sequence(list(range(100, 109)), block_size=4)) == 8
     assert manager.evict_cached() == 0
+
+
+def test_collision_guard_also_checks_the_parent():
+    """With a weak hash that ignores the parent, equal tokens after a different prefix must miss."""
+    manager = BlockManager(num_blocks=8, block_size=4, hash_fn=lambda parent, tokens: sum(tokens))
+
+    def prefill(ids):
+        seq = Sequence(ids, block_size=4)
+        manager.allocate(seq)
+        manager.hash_blocks(seq)
+
+    prefill([20, 0, 0, 0, 99])                  # [20 0 0 0] published under 20
+    prefill([1, 2, 3, 4, 5, 6, 7, 8, 99])       # [5 6 7 8] computed after [1 2 3 4]
+    seq = Sequence([20, 0, 0, 0, 5, 6, 7, 8, 99], block_size=4)
+    assert manager.num_cached_prefix(seq) == 4  # block 0 hits; block 1's KV belongs to another prefix

@@ -304,3 +304,16 @@ def test_draw_pool_makes_a_figure():
     pool = tiny(8)
     fig = draw_pool(pool, {"req 0": pool.alloc(3)})
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["req 0", "free"]
+
+
+def test_free_and_rows_refuse_floats_and_bools():
+    pool = KVPool(1, 1, 1, 4)
+    held = pool.alloc(3)
+    for bad in ([0.9, 1.7], [True, False], torch.tensor([0.0])):
+        with pytest.raises(TypeError, match="integers"):
+            pool.free(bad)
+    assert pool.num_free == 1 and not pool.is_free(held).any()
+    rows = ReqToTokenPool(max_requests=2, max_context_len=4)
+    rows.alloc()
+    with pytest.raises(ValueError, match="live request row"):
+        rows.write(True, 0, torch.tensor([5]))

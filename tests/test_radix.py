@@ -371,3 +371,20 @@ def test_exercise_checkers_reject_wrong_answers(capsys):
 
     assert not ch03.check_relock(forgets_to_lock)
     assert capsys.readouterr().out.count("Not yet") == 4
+
+
+def test_a_raising_evict_callback_strands_nothing():
+    calls = []
+
+    def callback(value):
+        calls.append(value)
+        if len(calls) == 1:
+            raise RuntimeError("pool refused")
+
+    cache = RadixCache(evict_callback=callback)
+    cache.insert([1, 2], torch.tensor([0, 1]))
+    cache.insert([1, 2, 3], torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="pool refused"):
+        cache.evict(1)
+    cache.check_invariants()
+    assert cache.evict(10) == 2 and cache.total_size == 0

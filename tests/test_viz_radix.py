@@ -111,3 +111,12 @@ def test_widget_builds_headless_and_follows_the_slider():
     assert caption.value.startswith("step 2: match [1 2]")
     with pytest.raises(ValueError, match="step must be"):
         viz.radix_widget(trace, step=3)
+
+
+def test_trace_names_evicted_nodes_even_when_slot_ids_repeat():
+    trace = viz.RadixTrace(RadixCache())
+    trace.insert([1, 2, 3], torch.tensor([0, 1, 2]))   # node #1
+    trace.insert([7, 8], torch.tensor([0, 1]))         # node #2, the same first slot id
+    trace.evict(2)
+    assert [g.id for g in trace.steps[-1].ghosts] == [1]
+    assert trace.steps[-1].description.endswith("#1")
