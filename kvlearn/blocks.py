@@ -44,7 +44,7 @@ import torch
 import xxhash
 
 from kvlearn.errors import KVCapacityError, check_positive_int
-from kvlearn.sequence import Sequence
+from kvlearn.sequence import Sequence, shorten
 
 HashFn = Callable[["int | None", "list[int]"], int]
 
@@ -65,10 +65,6 @@ def short_hash(h: int | None) -> str:
     return "-" if h is None else f"{h:x}"[:6]
 
 
-def _short(items: list[int], limit: int = 8) -> str:
-    return " ".join(map(str, items[:limit])) + (" ..." if len(items) > limit else "")
-
-
 @dataclass
 class Block:
     """One physical block. `hash` and `token_ids` are set once it is full and computed."""
@@ -81,7 +77,7 @@ class Block:
 
     def __repr__(self) -> str:
         return (f"Block(block_id={self.block_id}, ref_count={self.ref_count}, hash={short_hash(self.hash)}, "
-                f"tokens=[{_short(self.token_ids)}])")
+                f"tokens=[{shorten(self.token_ids)}])")
 
 
 @dataclass
@@ -132,15 +128,21 @@ class BlockManager:
         """Free blocks in the order they will be handed out (least recently freed first)."""
         return list(self._free)
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether a free block can still be hit: the registry points at it (a duplicate block that
+        knows a hash someone else registered first cannot)."""
+        return self.blocks[block_id].ref_count == 0 and \
+            self.hash_to_block_id.get(self.blocks[block_id].hash) == block_id
+
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks whose published prefix can still be hit: the cache's evictable part."""
-        return sum(self.hash_to_block_id.get(self.blocks[b].hash) == b for b in self._free)
+        return sum(map(self.is_cached, self._free))
 
     def evict_cached(self) -> int:
         """Forget every published prefix held only by free blocks (their KV becomes garbage);
         returns the tokens forgotten. Blocks in use keep their hashes."""
-        evicted = [b for b in self._free if self.hash_to_block_id.get(self.blocks[b].hash) == b]
+        evicted = [b for b in self._free if self.is_cached(b)]
         for b in evicted:
             block = self.blocks[b]
             del self.hash_to_block_id[block.hash]

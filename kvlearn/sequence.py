@@ -26,6 +26,11 @@ def _check_token_id(t, where: str) -> int:
     return int(t)
 
 
+def shorten(ids, limit: int = 8, more: str = " ...") -> str:
+    """The first `limit` token ids as text, and `more` when there are others: for reprs and pictures."""
+    return " ".join(map(str, ids[:limit])) + (more if len(ids) > limit else "")
+
+
 class Sequence:
     """Token ids of one request plus where their KV lives.
 
@@ -77,6 +82,5 @@ class Sequence:
         self.token_ids.append(_check_token_id(token_id, "append_token's argument"))
 
     def __repr__(self) -> str:
-        shown = " ".join(map(str, self.token_ids[:8])) + (" ..." if self.num_tokens > 8 else "")
-        return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, tokens=[{shown}], "
+        return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, tokens=[{shorten(self.token_ids)}], "
                 f"block_table={self.block_table}, num_cached_tokens={self.num_cached_tokens})")

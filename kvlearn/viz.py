@@ -11,6 +11,9 @@ from typing import NamedTuple
 import graphviz
 import torch
 
+from kvlearn.blocks import short_hash
+from kvlearn.sequence import shorten
+
 # --- block tables (chapters 1-2) -----------------------------------------------------------
 
 # Fill colours of a physical block by state: the same four states in picture and text.
@@ -23,12 +26,11 @@ def _block_state(manager, block) -> str:
         return "shared"
     if block.ref_count == 1:
         return "in use"
-    # Free but findable: a duplicate that knows its hash but is not in the registry is just free.
-    return "cached" if manager.hash_to_block_id.get(block.hash) == block.block_id else "free"
+    return "cached" if manager.is_cached(block.block_id) else "free"
 
 
 def _tokens(ids, limit=6) -> str:
-    return " ".join(map(str, ids[:limit])) + (" …" if len(ids) > limit else "")
+    return shorten(ids, limit, " …")
 
 
 def blocks_text(manager, seqs) -> str:
@@ -36,8 +38,6 @@ def blocks_text(manager, seqs) -> str:
 
     A free block is "cached" only if `hash_to_block_id` points at it (a later request can find it).
     """
-    from kvlearn.blocks import short_hash
-
     states = [_block_state(manager, b) for b in manager.blocks]
     lines = [f"{manager.num_blocks} blocks of {manager.block_size} tokens: "
              + ", ".join(f"{states.count(s)} {s}" for s in _BLOCK_COLORS)]
@@ -66,8 +66,6 @@ def draw_blocks(manager, seqs) -> graphviz.Digraph:
     Physical blocks are coloured by state: free (white), freed but still cached (green),
     in use by one sequence (blue), shared by several (orange).
     """
-    from kvlearn.blocks import short_hash
-
     g = graphviz.Digraph("blocks", graph_attr={"rankdir": "LR", "nodesep": "0.3", "ranksep": "1.2"},
                          node_attr={"shape": "plaintext", "fontname": "Helvetica", "fontsize": "11"})
     for k, seq in enumerate(seqs):
