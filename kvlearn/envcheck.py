@@ -18,7 +18,6 @@ from pathlib import Path
 
 REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements.txt"
 SETUP_FIX = "run `make setup` in the kvlearn folder (or: pip install -r requirements.txt)"
-MIN_PYTHON = (3, 10)
 MIN_MEMORY_GIB = 2.0   # a notebook kernel peaks at 1.1 GB (chapters 5 and 6, measured); Jupyter needs some too
 MIN_DISK_GIB = 1.0     # the converted model takes 0.5 GiB
 
@@ -40,10 +39,12 @@ def ok_if(condition: bool, name: str, detail: str, fix: str) -> Check:
 
 
 def python_version() -> Check:
+    from packaging.specifiers import SpecifierSet
+
+    wanted = SpecifierSet(importlib.metadata.metadata("kvlearn")["Requires-Python"])  # from pyproject.toml
     found = ".".join(map(str, sys.version_info[:3]))
-    wanted = ".".join(map(str, MIN_PYTHON))
-    return ok_if(sys.version_info >= MIN_PYTHON, "python", f"{found} (needs >= {wanted}) at {sys.executable}",
-                 f"install Python {wanted} or newer (3.11 is tested) and re-run `make setup` with it")
+    return ok_if(found in wanted, "python", f"{found} (needs {wanted}) at {sys.executable}",
+                 f"install Python {wanted} (3.11 is tested), then: make clean setup PYTHON=python3.11")
 
 
 def required() -> dict:

@@ -84,6 +84,13 @@ def test_missing_and_too_old_packages(monkeypatch):
     assert "make setup" in everything.fix
 
 
+def test_python_older_than_the_project_asks_for(monkeypatch):
+    monkeypatch.setattr(env.importlib.metadata, "metadata", lambda name: {"Requires-Python": ">=99"})
+    old = env.python_version()
+    assert old.status == "FAIL" and old.detail.startswith(f"{sys.version_info[0]}.") and "(needs >=99)" in old.detail
+    assert "make clean setup PYTHON=" in old.fix
+
+
 def test_missing_or_corrupt_model_file(monkeypatch, tmp_path):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
