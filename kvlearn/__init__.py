@@ -8,6 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "load_model": "model",
+    "load_tokenizer": "model",
     "model_path": "model",
     "chat_ids": "model",
     "KVCapacityError": "errors",

@@ -9,10 +9,11 @@ COMMANDS = {
     "bench": ("kvlearn.bench", "every cache strategy and the Hugging Face peers on one workload, side by side"),
     "check": ("kvlearn.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
     "course": ("kvlearn.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
+    "student": ("kvlearn.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
 }
 
 USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(
-    f"  {name:<8}{about}" for name, (_, about) in COMMANDS.items()) + "\n"
+    f"  {name:<9}{about}" for name, (_, about) in COMMANDS.items()) + "\n"
 
 
 def main(argv=None) -> int:

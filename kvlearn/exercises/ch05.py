@@ -3,7 +3,7 @@
 import torch
 
 from kvlearn.attention import AttentionMetadata
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 
 # (new tokens per sequence, context slots per sequence): prefill, decode, prefill after a cached prefix.
 CASES = [
@@ -12,13 +12,6 @@ CASES = [
     ([3, 1, 2], [[10, 11, 12], [0, 1, 2, 3, 4], [20, 21, 22, 23]]),
     ([2, 4], [[9, 3, 6, 1, 5, 8], [2, 4, 7, 30]]),
 ]
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args), None
-    except Exception as e:  # a learner's function may fail in any way; say how, don't crash
-        return None, f"your function raised {type(e).__name__}: {e}"
 
 
 def _metadata(query_lens, kv_indices):
@@ -31,8 +24,9 @@ def check_positions_and_slots(positions_and_slots) -> bool:
     for query_lens, kv_indices in CASES:
         md = _metadata(query_lens, kv_indices)
         expected = (md.positions.tolist(), md.slot_mapping.tolist())
-        got, error = _try(positions_and_slots, list(query_lens), [list(ix) for ix in kv_indices])
-        if error or got is None or tuple(map(list, got)) != expected:
+        got, error = attempt(positions_and_slots, list(query_lens), [list(ix) for ix in kv_indices])
+        pair, _ = attempt(lambda: tuple(map(list, got)))  # None unless `got` is a pair of sequences
+        if error or pair != expected:
             return report(False, error or f"query_lens={query_lens}, kv_indices={kv_indices}: expected "
                           f"{expected}, got {got}. The new tokens are the LAST query_lens[i] of each context.")
     return report(True, "")
@@ -45,7 +39,7 @@ def check_mask(build_mask) -> bool:
     for query_lens, kv_indices in CASES:
         md = _metadata(query_lens, kv_indices)
         kv_lens = [len(ix) for ix in kv_indices]
-        got, error = _try(build_mask, list(query_lens), kv_lens)
+        got, error = attempt(build_mask, list(query_lens), kv_lens)
         if error is None and not isinstance(got, torch.Tensor):
             error = f"return a torch.Tensor, got {type(got).__name__}"
         if error is None and got.shape != md.mask[:, 0].shape:
@@ -68,7 +62,7 @@ def check_tokens_to_compute(tokens_to_compute) -> bool:
     for cached, prompt in cases:
         common = next((i for i, (x, y) in enumerate(zip(cached, prompt)) if x != y), min(len(cached), len(prompt)))
         expected = len(prompt) - min(common, len(prompt) - 1)  # the last token always runs: we need its logits
-        got, error = _try(tokens_to_compute, list(cached), list(prompt))
+        got, error = attempt(tokens_to_compute, list(cached), list(prompt))
         if error or got != expected:
             return report(False, error or f"cached={cached}, prompt={prompt}: expected {expected}, got {got}. "
                           "Reuse the common prefix, but the model must still run B's last token.")

@@ -1,6 +1,6 @@
 """Chapter 6 exercises: the unique-token floor, what each cache computes, and lpm's order."""
 
-from kvlearn.exercises import report
+from kvlearn.exercises import attempt, report
 
 # Exercise 2's prompts (token ids), all submitted at once, one new token each, blocks of 4.
 EXERCISE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9],
@@ -16,10 +16,9 @@ def check_unique_token_floor(fn) -> bool:
     cases = [[], [[1]], [[1, 2, 3], [1, 2, 4]], [[1, 2], [1, 2]], [[5], [5, 6], [7]],
              [[3, 1, 4, 1, 5], [3, 1, 4, 2], [2, 7, 1], [3, 1]], [list(range(50)), list(range(25)) + [99]]]
     for prompts in cases:
-        try:
-            got = fn([list(p) for p in prompts])
-        except Exception as err:  # a learner's bug: say so kindly
-            return report(False, f"your function raised {type(err).__name__}: {err} on {prompts}.")
+        got, error = attempt(fn, [list(p) for p in prompts])
+        if error:
+            return report(False, f"{error} on {prompts}.")
         if got != unique_token_floor(prompts):
             return report(False, f"for {prompts} the floor is {unique_token_floor(prompts)}, you returned {got}. "
                                  "Count every prefix p[:i] (i >= 1) once, however many prompts start with it.")
@@ -50,11 +49,10 @@ def check_lpm_order(fn) -> bool:
              (["r3", "r1", "r2"], {"r3": 8, "r1": 8, "r2": 0}), (["x"], {"x": 0}), ([], {})]
     for waiting, cached in cases:
         want = sorted(waiting, key=lambda r: -cached[r])  # sorted() is stable
-        try:
-            got = list(fn(list(waiting), dict(cached)))
-        except Exception as err:
-            return report(False, f"your function raised {type(err).__name__}: {err}.")
-        if got != want:
+        got, error = attempt(fn, list(waiting), dict(cached))
+        if error or not isinstance(got, (list, tuple)):
+            return report(False, error or f"return a list of request ids, got {got!r}.")
+        if list(got) != want:
             return report(False, f"for waiting={waiting}, cached={cached} lpm tries {want}, you gave {got}. "
                                  "Ties keep their arrival order.")
     return report(True, "")

@@ -1,0 +1,109 @@
+"""Student copies: every solution is gone, the rest is the instructor's notebook byte for byte, and
+every checker answers a stub with "Not yet" instead of crashing."""
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlearn.exercises import NOT_YET, OK, ch00, ch01, ch02, ch03, ch04, ch05, ch06
+from kvlearn.student import BEGIN, END, student_copy, write_student_copies
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+CHECKERS = {f"{i:02d}": module for i, module in enumerate((ch00, ch01, ch02, ch03, ch04, ch05, ch06))}
+
+
+def solution_lines(source: str) -> list[str]:
+    """The non-trivial lines inside the solution blocks of a cell, stripped."""
+    blocks = re.findall(rf"^[ \t]*{BEGIN}\n(.*?)^[ \t]*{END}$", source, flags=re.S | re.M)
+    return [s for b in blocks for s in map(str.strip, b.splitlines()) if len(s) > 3 and s != "return None"]
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """chapter -> (instructor notebook, its student copy as write_student_copies wrote it)."""
+    dest = tmp_path_factory.mktemp("student")
+    paths = write_student_copies(NOTEBOOKS, dest)
+    assert [p.name for p in paths] == [p.name for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))]
+    return {p.name[:2]: (nbformat.read(NOTEBOOKS / p.name, as_version=4), nbformat.read(p, as_version=4))
+            for p in paths}
+
+
+def shown_lines(cell) -> set[str]:
+    """The stripped lines of a cell's source and of its outputs' text."""
+    texts = [cell.source] + [o.get("text", "") + "\n".join(map(str, o.get("data", {}).values()))
+                             for o in cell.get("outputs", [])]
+    return {line.strip() for text in texts for line in text.splitlines()}
+
+
+@pytest.mark.parametrize("chapter", sorted(CHECKERS))
+def test_solutions_are_stubbed_and_the_rest_is_unchanged(copies, chapter):
+    teacher, student = copies[chapter]
+    assert len(student.cells) == len(teacher.cells) and student.metadata == teacher.metadata
+    secrets = set()
+    for t, s in zip(teacher.cells, student.cells):
+        lines = solution_lines(t.source) if t.cell_type == "code" else []
+        secrets.update(lines)
+        if lines:
+            assert s.outputs == [] and s.execution_count is None
+        else:
+            assert json.dumps(s, sort_keys=True) == json.dumps(t, sort_keys=True)
+    assert secrets, f"chapter {chapter} has no solution block"
+    everything = json.dumps(student.cells)
+    assert "BEGIN SOLUTION" not in everything and "END SOLUTION" not in everything
+    left = secrets & set().union(*map(shown_lines, student.cells))
+    assert not left, f"solution lines left in the student copy: {sorted(left)}"
+    before = copy.deepcopy(teacher)
+    student_copy(teacher)
+    assert teacher == before, "student_copy changed the instructor notebook"
+
+
+@pytest.mark.parametrize("chapter", sorted(CHECKERS))
+def test_every_checker_says_not_yet_to_its_stub(copies, chapter, capsys):
+    """Run the student copy's exercise cells: each checker gets the stub a student starts from."""
+    module = CHECKERS[chapter]
+    names = sorted(n for n in vars(module) if n.startswith("check_"))
+    _, student = copies[chapter]
+    cells = [c.source for c in student.cells if c.cell_type == "code" and "your " in c.source]
+    namespace = {}
+    for source in cells:
+        exec(source, namespace)
+    called = sorted(n for n in names if any(f".{n}(" in source for source in cells))
+    assert called == names, "every checker is called from an exercise cell"
+    out = capsys.readouterr().out
+    assert out.count(NOT_YET) == len(names) and OK not in out
+
+
+def _notebook(*sources):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+
+
+def test_stubs():
+    nb = _notebook(f"def f(x):\n    y = 1\n    {BEGIN}\n    return x + y\n    {END}\n\nf(1)",
+                   f"{BEGIN}\nanswer = [4,\n          8]  # two lines\nother = 3\n{END}\ncheck(answer)")
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="OK")]
+    nb.cells[0].execution_count = 1
+    first, second = student_copy(nb).cells
+    assert first.source == "def f(x):\n    y = 1\n    ...  # your code here\n\nf(1)"
+    assert first.outputs == [] and first.execution_count is None
+    assert second.source == "answer = ...  # your answer here\nother = ...  # your answer here\ncheck(answer)"
+
+
+@pytest.mark.parametrize("source, message", [
+    (f"{BEGIN}\nx = 1", "without an"),
+    (f"x = 1\n{END}", "without a"),
+    (f"def f():\n    {BEGIN}\n    {BEGIN}\n    return 1\n    {END}\n    {END}", "nested"),
+    (f"{BEGIN}\nprint(42)\n{END}", "only assignments"),
+    (f"{BEGIN}\na, b = 1, 2\n{END}", "only assignments"),
+])
+def test_authoring_errors_name_the_cell(source, message):
+    with pytest.raises(ValueError, match=rf"cell 2: .*{message}"):
+        student_copy(_notebook("x = 0", source))
+
+
+def test_write_student_copies_refuses_to_overwrite_the_source():
+    with pytest.raises(ValueError, match="overwrite"):
+        write_student_copies(NOTEBOOKS, NOTEBOOKS)
