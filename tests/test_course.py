@@ -90,3 +90,12 @@ def test_student_copies_run_top_to_bottom_and_no_exercise_is_solved(tmp_path):
     runs = course.run_course(write_student_copies(course.NOTEBOOKS, tmp_path / "student"), progress=False)
     assert [r.error for r in runs] == [""] * len(runs) and all(r.passed for r in runs)
     assert all(r.exercises == 3 and r.solved == 0 for r in runs), course.table(runs)
+
+
+def test_the_guide_has_measured_times_for_exactly_the_chapters_there_are():
+    guide = (course.NOTEBOOKS.parent / "docs" / "instructor.md").read_text()
+    begin, end = course.GUIDE_MARKERS
+    block = guide[guide.index(begin):guide.index(end)]
+    rows = [line.split(" | ")[0].lstrip("| ") for line in block.splitlines() if line.startswith("| 0")]
+    assert rows == [p.stem for p in course.chapter_notebooks()], "re-run `make course GUIDE=docs/instructor.md`"
+    assert f"| {len(rows)}/{len(rows)} PASS |" in block  # the recorded run passed every chapter
