@@ -20,7 +20,7 @@ _EXPORTS = {
     "TreeNode": "radix",
     "KVPool": "pool",
     "ModelRunner": "runner",
-    "Engine": "engine",
+    "Engine": "serving.engine",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,11 +5,11 @@ from importlib import import_module
 
 # command -> (module whose main(argv) runs it, what it does)
 COMMANDS = {
-    "demo": ("kvlearn.demo", "the real model, decoded with and without a KV cache, then served by the engine"),
-    "bench": ("kvlearn.bench", "every cache strategy and the Hugging Face peers on one workload, side by side"),
-    "check": ("kvlearn.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
-    "course": ("kvlearn.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
-    "student": ("kvlearn.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
+    "demo": ("kvlearn.bench.demo", "the real model, decoded with and without a KV cache, then served by the engine"),
+    "bench": ("kvlearn.bench.cli", "every cache strategy and the Hugging Face peers on one workload, side by side"),
+    "check": ("kvlearn.workshop.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
+    "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
+    "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
 }
 
 USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(

@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from kvlearn import bench, demo
-from kvlearn.bench import SystemResult, check_bars, compare_tokens, simulate, table
-from kvlearn.workloads import make_workload
+from kvlearn.bench import cli as bench, demo
+from kvlearn.bench.peers import SystemResult
+from kvlearn.bench.report import check_bars, compare_tokens, table
+from kvlearn.serving.simulate import simulate
+from kvlearn.serving.workloads import make_workload
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def test_bad_arguments_exit_with_usage(argv):
 
 def test_exercise_checkers_accept_right_and_refuse_wrong_answers(capsys):
     from kvlearn.exercises import ch06
-    from kvlearn.workloads import unique_token_floor
+    from kvlearn.serving.workloads import unique_token_floor
 
     assert ch06.check_unique_token_floor(unique_token_floor)
     assert not ch06.check_unique_token_floor(lambda prompts: sum(map(len, prompts)))

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kvlearn import course
+from kvlearn.workshop import course
 from kvlearn.__main__ import main
 from kvlearn.exercises import NOT_YET, OK
 
@@ -85,7 +85,7 @@ def test_a_folder_without_chapters_says_what_to_pass(tmp_path):
 @pytest.mark.slow
 def test_student_copies_run_top_to_bottom_and_no_exercise_is_solved(tmp_path):
     """What a learner meets: every student chapter runs clean, and every checker says "Not yet"."""
-    from kvlearn.student import write_student_copies
+    from kvlearn.workshop.student import write_student_copies
 
     runs = course.run_course(write_student_copies(course.NOTEBOOKS, tmp_path / "student"), progress=False)
     assert [r.error for r in runs] == [""] * len(runs) and all(r.passed for r in runs)

@@ -7,13 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.hf_reference import hf_greedy
-from kvlearn.bench import simulate
-from kvlearn.engine import Engine
+from kvlearn.serving.simulate import simulate
+from kvlearn.serving.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.pool import KVPool
-from kvlearn.kv_manager import CACHE_MODES, make_kv_manager
-from kvlearn.scheduler import SCHEDULES, Request, Scheduler
-from kvlearn.workloads import make_workload, unique_token_floor
+from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
+from kvlearn.serving.scheduler import SCHEDULES, Request, Scheduler
+from kvlearn.serving.workloads import make_workload, unique_token_floor
 
 # --- a stand-in model that proves the KV it reads is the right one --------------------------------
 VOCAB, EOS = 50, 0

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvlearn.envcheck as env
+import kvlearn.workshop.envcheck as env
 import kvlearn.model as km
 from kvlearn.__main__ import main
 

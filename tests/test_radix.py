@@ -290,7 +290,7 @@ def median_match_us(cache, probe, reps=300):
 
 
 def test_match_and_evict_cost_do_not_grow_with_the_tree():
-    from kvlearn.bench_radix import make_trace, slot_values
+    from kvlearn.bench.radix import make_trace, slot_values
 
     keys = make_trace(2000)
     values = slot_values(keys)

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from kvlearn.exercises import NOT_YET, OK, ch00, ch01, ch02, ch03, ch04, ch05, ch06
-from kvlearn.student import BEGIN, END, student_copy, write_student_copies
+from kvlearn.workshop.student import BEGIN, END, student_copy, write_student_copies
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 CHECKERS = {f"{i:02d}": module for i, module in enumerate((ch00, ch01, ch02, ch03, ch04, ch05, ch06))}

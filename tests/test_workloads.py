@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlearn.model import chat_ids
-from kvlearn.workloads import WORKLOADS, make_workload, multi_turn_chat, shared_system_prompt, unique_token_floor
+from kvlearn.serving.workloads import WORKLOADS, make_workload, multi_turn_chat, shared_system_prompt, unique_token_floor
 
 
 def brute_force_floor(prompts) -> int:

@@ -11,7 +11,7 @@ EXERCISE_BLOCK_SIZE = 4
 
 def check_unique_token_floor(fn) -> bool:
     """Exercise 1: `fn(prompts) -> int`, the number of distinct token prefixes across prompts."""
-    from kvlearn.workloads import unique_token_floor
+    from kvlearn.serving.workloads import unique_token_floor
 
     cases = [[], [[1]], [[1, 2, 3], [1, 2, 4]], [[1, 2], [1, 2]], [[5], [5, 6], [7]],
              [[3, 1, 4, 1, 5], [3, 1, 4, 2], [2, 7, 1], [3, 1]], [list(range(50)), list(range(25)) + [99]]]
@@ -27,7 +27,7 @@ def check_unique_token_floor(fn) -> bool:
 
 def check_computed_prefill(radix: int, blocks: int) -> bool:
     """Exercise 2: prompt tokens the engine computes for EXERCISE_PROMPTS with each cache."""
-    from kvlearn.bench import simulate
+    from kvlearn.serving.simulate import simulate
 
     want = {cache: simulate(EXERCISE_PROMPTS, cache, max_new_tokens=1,
                             page_size=EXERCISE_BLOCK_SIZE if cache == "blocks" else 1)["computed_prefill_tokens"]

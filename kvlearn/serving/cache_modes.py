@@ -26,7 +26,7 @@ from kvlearn.radix import RadixCache
 from kvlearn.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvlearn.scheduler import Request
+    from kvlearn.serving.scheduler import Request
 
 CACHE_MODES = ("radix", "blocks", "none")
 

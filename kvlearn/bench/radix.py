@@ -1,4 +1,4 @@
-"""Scale check for the radix tree: `python -m kvlearn.bench_radix [--keys N] [--repeat R]`.
+"""Scale check for the radix tree: `python -m kvlearn.bench.radix [--keys N] [--repeat R]`.
 
 The trace (the one used to time SGLang's RadixCache): 100 shared bases of 80 tokens; each of
 10,000 keys is a prefix of one base (20 to 80 tokens) followed by 100 fresh tokens, so the tree

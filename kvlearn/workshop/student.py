@@ -70,8 +70,8 @@ def _stub(block: list[str], indent: str, cell: str) -> list[str]:
 def write_student_copies(src="notebooks", dest="student") -> list[Path]:
     """Write the student copy of every `[0-9][0-9]_*.ipynb` in `src` to `dest`; return the paths.
     Nothing is written if any notebook has a marker error. Nothing else needs copying: notebooks
-    read and write figures through `kvlearn.plots.FIGURES` (an absolute path), and their markdown
-    links to `../figures/` resolve as long as `dest` sits next to `src`, as student/ does."""
+    write figures through `kvlearn.viz.plots.figures_dir()` (the nearest figures/ folder up the tree),
+    and their markdown links to `../figures/` resolve as long as `dest` sits next to `src`, as student/ does."""
     src, dest = Path(src), Path(dest)
     if dest.resolve() == src.resolve():
         raise ValueError(f"dest is src ({src}): student copies would overwrite the instructor notebooks.")

@@ -6,8 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from kvlearn.plots import FIGURES
-from kvlearn.workloads import LIBRARY_QUESTIONS
+from kvlearn.serving.workloads import LIBRARY_QUESTIONS
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -18,7 +17,7 @@ def chapter0(model, tokenizer, max_new_tokens: int) -> None:
     from kvlearn.decoding import compare, plot_step_times
     from kvlearn.memory import kv_table
     from kvlearn.model import chat_ids
-    from kvlearn.plots import save_figure
+    from kvlearn.viz.plots import save_figure
 
     prompt_ids = chat_ids(tokenizer, PROMPT)
     with tqdm(total=2 * max_new_tokens, desc="decoding twice", unit="tok") as bar:
@@ -31,33 +30,30 @@ def chapter0(model, tokenizer, max_new_tokens: int) -> None:
 
 
 def engine(model, tokenizer, num_requests: int = 8, max_new_tokens: int = 32, show: int = 3,
-           out_dir: Path = FIGURES) -> bool:
+           out_dir: Path | None = None) -> bool:
     """Serve the shared-system-prompt workload with the radix cache and with no cache; print a few
     answers and both runs' stats; write the radix tree (demo_radix_tree.svg) and the comparison
-    plot (demo_engine.png) to `out_dir`. Returns whether both runs gave the same tokens."""
-    from kvlearn.bench import SystemResult, default_num_slots, plot, save_plot, table
-    from kvlearn.engine import Engine
+    plot (demo_engine.png) to `out_dir` (default: the nearest figures/). Returns whether both runs
+    gave the same tokens."""
+    from kvlearn.bench.peers import run_kvlearn
+    from kvlearn.bench.report import plot, save_plot, table
+    from kvlearn.serving.workloads import make_workload
     from kvlearn.viz import draw_radix
-    from kvlearn.workloads import make_workload
+    from kvlearn.viz.plots import figures_dir
 
     workload = make_workload("shared_system", tokenizer, num_requests=num_requests)
     print(f"\n== Chapter 6: the serving engine ==\n{workload!r}")
     results, engines = [], {}
     for cache in ("radix", "none"):
-        start = time.perf_counter()
-        engines[cache] = Engine(model, tokenizer, cache=cache,
-                                num_slots=default_num_slots(workload.prompts, max_new_tokens))
-        outputs = engines[cache].generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=True)
-        s = engines[cache].stats
-        results.append(SystemResult(cache, [o.token_ids for o in outputs], time.perf_counter() - start,
-                                    s["computed_prefill_tokens"], s["hit_rate"], s["peak_slots"]))
-    for label, out in list(zip(workload.labels, outputs))[:show]:
-        print(f"\nQ: {label}\nA: {tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()}")
+        result, engines[cache] = run_kvlearn(model, tokenizer, workload, cache, max_new_tokens, progress=True)
+        results.append(result)
+    for label, out in list(zip(workload.labels, results[0].outputs))[:show]:
+        print(f"\nQ: {label}\nA: {tokenizer.decode(out, skip_special_tokens=True).strip()}")
     print("\n" + table(results, workload))
     radix = engines["radix"].stats
     print(f"radix: {radix['cached_tokens']:,} of {radix['prompt_tokens']:,} prompt tokens came from the cache "
           f"(hit rate {radix['hit_rate']:.0%}), {radix['steps']} steps, peak {radix['peak_slots']:,} KV slots")
-    out_dir = Path(out_dir)
+    out_dir = figures_dir() if out_dir is None else Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     svg = out_dir / "demo_radix_tree.svg"
     svg.write_bytes(draw_radix(engines["radix"].cache, tokenizer).pipe(format="svg"))

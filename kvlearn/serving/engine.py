@@ -21,8 +21,8 @@ from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
-from kvlearn.kv_manager import CACHE_MODES, make_kv_manager
-from kvlearn.scheduler import SCHEDULES, Request, Scheduler, StepReport
+from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
+from kvlearn.serving.scheduler import SCHEDULES, Request, Scheduler, StepReport
 
 DEFAULT_NUM_SLOTS = 8192        # about 377 MB of float32 KV for SmolLM2-135M
 DEFAULT_BLOCK_SIZE = 16         # "blocks" mode's tokens per block when page_size is not given

@@ -1,6 +1,6 @@
 """Decode throughput: sequences packed into one forward vs one forward per sequence.
 
-    python -m kvlearn.bench_decode [--batch 16] [--steps 16] [--repeats 3]
+    python -m kvlearn.bench.decode [--batch 16] [--steps 16] [--repeats 3]
 
 Both sides use the same runner, pool and paged attention; only the packing differs. Each round
 times a few decode steps of the packed batch, then the same number of tokens one sequence at a

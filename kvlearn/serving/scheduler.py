@@ -12,7 +12,7 @@ A request that shares a not-yet-computed prefix with one admitted in the same st
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
 once (SGLang's in-batch prefix check).
 
-Where each request's KV lives is the business of a KV manager (`kvlearn.kv_manager`): the
+Where each request's KV lives is the business of a KV manager (`kvlearn.serving.cache_modes`): the
 scheduler only asks it to admit, grow and release requests, and has it check slot conservation
 after every step.
 """

@@ -1,0 +1,173 @@
+"""Benchmark peers: each system the bench compares, run on one workload, as a `SystemResult`.
+
+- kvlearn's `Engine` with cache "radix", "blocks" and "none";
+- Hugging Face `generate`, one request at a time (what a script would do);
+- Hugging Face continuous batching (`generate_batch`, paged attention, prefix sharing on), the
+  peer a user would otherwise pick;
+- optionally vLLM's CPU build, in another Python (never a dependency of kvlearn).
+
+Every runner borrows the model and leaves it as it found it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvlearn.serving.workloads import Workload
+
+KVLEARN_SYSTEMS = ("radix", "blocks", "none")
+HF_SYSTEMS = ("hf", "hf-cb")
+LABELS = {"radix": "kvlearn radix", "blocks": "kvlearn blocks", "none": "kvlearn no cache",
+          "hf": "HF generate (1 at a time)", "hf-cb": "HF continuous batching", "vllm": "vLLM CPU"}
+# Hugging Face continuous batching settings that make it share prefixes on CPU (DESIGN.md).
+HF_CB_SETTINGS = dict(page_size=16, num_blocks=512, max_batch_tokens=512)
+
+
+@dataclass
+class SystemResult:
+    """One system's run: its greedy tokens per prompt and what it cost."""
+
+    system: str
+    outputs: list[list[int]]
+    wall_time_s: float
+    computed_prefill_tokens: int | None = None   # None: the system does not say
+    hit_rate: float | None = None
+    peak_slots: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_time_s if self.wall_time_s > 0 else float("inf")
+
+
+# --- the systems ----------------------------------------------------------------------------------
+
+def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens: int,
+                num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False):
+    """The kvlearn engine; the time includes building the engine (its KV pool). Returns the
+    result and the engine (for its cache and stats)."""
+    from kvlearn.serving.engine import Engine, slots_without_sharing
+
+    num_slots = num_slots or slots_without_sharing(workload.prompts, max_new_tokens)
+    start = time.perf_counter()
+    engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule)
+    outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=progress)
+    wall = time.perf_counter() - start
+    s = engine.stats
+    return SystemResult(cache, [o.token_ids for o in outputs], wall, s["computed_prefill_tokens"],
+                        s["hit_rate"], s["peak_slots"]), engine
+
+
+def run_hf_generate(model, workload: Workload, max_new_tokens: int, progress: bool = False) -> SystemResult:
+    """Plain `model.generate`, one prompt after the other: every prompt is prefilled in full."""
+    from tqdm.auto import tqdm
+
+    outputs = []
+    start = time.perf_counter()
+    for prompt in tqdm(workload.prompts, desc="HF generate", unit="req", disable=not progress):
+        ids = torch.tensor([prompt], device=model.device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        outputs.append(out[0, len(prompt):].tolist())
+    wall = time.perf_counter() - start
+    peak = max(len(p) + len(o) - 1 for p, o in zip(workload.prompts, outputs))  # one DynamicCache at a time
+    return SystemResult("hf", outputs, wall, workload.num_prompt_tokens, 0.0, peak)
+
+
+@contextmanager
+def _counting_hf_prefix_hits():
+    """Count the prompt tokens Hugging Face's paged cache found already cached, by wrapping its
+    prefix lookup for the duration of the run (restored afterwards). Yields a one-item list."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        original = PagedAttentionCache.search_prefix_match
+    except (ImportError, AttributeError):  # another transformers version: the count is unknown
+        yield [None]
+        return
+    hits = [0]
+
+    def counted(self, request_id, prompt_ids):
+        matched = original(self, request_id, prompt_ids)
+        hits[0] += matched
+        return matched
+
+    PagedAttentionCache.search_prefix_match = counted
+    try:
+        yield hits
+    finally:
+        PagedAttentionCache.search_prefix_match = original
+
+
+def run_hf_continuous_batching(model, workload: Workload, max_new_tokens: int,
+                               progress: bool = False) -> SystemResult:
+    """`model.generate_batch` with paged attention and prefix sharing on (see HF_CB_SETTINGS)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    eos = model.generation_config.eos_token_id
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    cb_config = ContinuousBatchingConfig(allow_block_sharing=True, **HF_CB_SETTINGS)
+    with _counting_hf_prefix_hits() as hits:
+        start = time.perf_counter()
+        result = model.generate_batch(inputs=workload.prompt_lists(), generation_config=config,
+                                      continuous_batching_config=cb_config, progress_bar=progress)
+        wall = time.perf_counter() - start
+    # Request ids are "req_<index in inputs>".
+    by_index = {int(rid.rsplit("_", 1)[1]): out for rid, out in result.items()}
+    outputs = [list(by_index[i].generated_tokens) for i in range(workload.num_requests)]
+    computed = None if hits[0] is None else workload.num_prompt_tokens - hits[0]
+    hit_rate = None if hits[0] is None else round(hits[0] / workload.num_prompt_tokens, 4)
+    return SystemResult("hf-cb", outputs, wall, computed, hit_rate, None)
+
+
+_VLLM_SCRIPT = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+job = json.load(sys.stdin)
+llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True)
+params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
+prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+wall = time.perf_counter() - start
+print("KVLEARN_RESULT " + json.dumps({"wall": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def run_vllm(python: str, workload: Workload, max_new_tokens: int) -> SystemResult:
+    """vLLM (CPU build, prefix caching on) in a separate Python: vLLM pins its own transformers.
+    It loads kvlearn's converted copy of the model; the time excludes vLLM's start-up."""
+    from kvlearn.model import cache_dir
+
+    job = json.dumps({"model": str(cache_dir()), "prompts": workload.prompt_lists(),
+                      "max_new_tokens": max_new_tokens})
+    done = subprocess.run([python, "-c", _VLLM_SCRIPT], input=job, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("KVLEARN_RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"vLLM run with {python} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    result = json.loads(lines[-1].split(" ", 1)[1])
+    return SystemResult("vllm", result["outputs"], result["wall"])
+
+
+def warm_up(model, tokenizer) -> None:
+    """One tiny run of each code path, so first-call costs (allocator, kernels) time no system."""
+    from kvlearn.serving.engine import Engine
+    from kvlearn.model import chat_ids
+
+    ids = chat_ids(tokenizer, "Hi")
+    Engine(model, tokenizer, cache="radix", num_slots=256).generate([ids, ids], max_new_tokens=2)
+    with torch.no_grad():
+        model.generate(torch.tensor([ids], device=model.device), max_new_tokens=2, do_sample=False)
+
+

@@ -1,0 +1,6 @@
+"""Tool: the workshop kit (not part of the course's core).
+
+envcheck  `python -m kvlearn check`: is this laptop ready? one OK / FAIL line per requirement
+course    `python -m kvlearn course`: every notebook in a fresh kernel, in order, with a summary
+student   `python -m kvlearn student`: the learners' copies, every solution replaced by a stub
+"""
