@@ -97,7 +97,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     Returns ([1, T, heads, head_dim], None) as transformers expects.
     """
     md, layer = attn_metadata, module.layer_idx
-    kv_pool.store(layer, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    kv_pool.write(layer, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
     # index_select on the flattened indices is several times faster than advanced indexing on CPU.
     flat, shape = md.kv_indices.reshape(-1), (*md.kv_indices.shape, *k_cache.shape[1:])

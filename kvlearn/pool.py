@@ -112,6 +112,11 @@ class KVPool:
                              f" = {list(want)}; got slots {list(slots.shape)}, K {list(k.shape)}, V {list(v.shape)}.")
         if ((slots < 0) | (slots >= self.num_slots)).any():
             raise ValueError(f"Slot indices must be in [0, {self.num_slots}).")
+        self.write(layer, slots, k, v)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`store` without the checks: attention calls it in every layer of every forward, on slots
+        the runner has already checked once for the whole step."""
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.dtype))
 

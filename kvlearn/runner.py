@@ -54,7 +54,12 @@ class ModelRunner:
         tokens sit at positions len(kv_indices[i]) - len(input_ids[i]) .. len(kv_indices[i]) - 1 and
         their K/V are written at kv_indices[i][-len(input_ids[i]):]. Returns [num_seqs, vocab]
         float logits of each sequence's last new token."""
-        kv_indices = self._check(input_ids, kv_indices)
+        return self.run(input_ids, self._check(input_ids, kv_indices))
+
+    def run(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor]) -> torch.Tensor:
+        """`forward` without the checks, for callers that built valid input themselves (the engine's
+        scheduler): token ids in the vocabulary, int64 slot tensors on the pool's device that are
+        allocated, with fresh slots for the new tokens."""
         md = AttentionMetadata.build([len(ids) for ids in input_ids], kv_indices, device=self.pool.device)
         ids = torch.tensor([[t for seq in input_ids for t in seq]], dtype=torch.int64, device=self.pool.device)
         with torch.no_grad(), self._paged_attention():
