@@ -1,15 +1,19 @@
 """Paged KV blocks with hash-based prefix reuse: the block manager of nano-vllm / vLLM v1.
 
-The KV pool is cut into `num_blocks` blocks of `block_size` token slots. Token position p of a
-sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+The KV pool is cut into `num_blocks` blocks of `block_size` token slots: a block is a page of the
+pool, and fresh blocks come from the pool's one allocator (`kvlearn.allocator.PageAllocator`; a
+manager without a pool gets an allocator of its own). Token position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
 
 Prefix reuse: a full block whose KV has been computed is published under a chained hash
 `h_i = hash_fn(h_{i-1}, tokens of block i)`, so (with a strong hash) equal hashes mean equal
 prefixes, not just equal blocks. The collision guard checks what it can without rehashing: a hit
 needs the stored tokens and the stored parent hash to be equal too.
 A new sequence walks its full blocks and shares every published block it finds, up to the first
-miss. A freed block keeps its hash and tokens, so it can still be hit, until the free list
-hands it out again; the free list gives out the least recently freed block first.
+miss. A block whose last user leaves keeps its hash and tokens if it is the published copy: it
+stays with the manager, still hittable, as the cache's evictable part. Every other block whose last
+user leaves goes back to the allocator. A new block is a free page of the allocator when there is
+one; only when there is none is a cached block evicted, least recently freed first.
 
 How an engine drives it (every token's KV is written before `hash_blocks` sees it):
 
@@ -24,8 +28,9 @@ How an engine drives it (every token's KV is written before `hash_blocks` sees i
     manager.deallocate(seq)
 
 Invariants, kept by every public method:
-- every block is either free (ref_count 0, in the free list) or in use (ref_count > 0), never both;
-  ref_count equals the number of live block tables holding the block;
+- every block is exactly one of: free in the allocator (ref_count 0, no hash), cached (ref_count 0,
+  its hash published, in the manager's LRU list) or in use (ref_count > 0); ref_count equals the
+  number of live block tables holding the block;
 - `hash_to_block_id` maps a hash only to a block that is full, computed, and still holds the tokens
   that hash was made from;
 - a sequence never gets its last token from the cache (`num_cached_tokens < num_tokens`), so the
@@ -43,7 +48,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.allocator import PageAllocator
+from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.sequence import Sequence, shorten
 
 HashFn = Callable[["int | None", "list[int]"], int]
@@ -85,6 +91,7 @@ class PrefixCacheStats:
     """Counted by `allocate` only (queries such as `num_cached_prefix` are free)."""
 
     queries: int = 0        # sequences looked up in the cache
+    evicted_blocks: int = 0  # cached blocks whose hash was dropped to reuse them (evict_cached too)
     query_tokens: int = 0   # their tokens
     hit_blocks: int = 0     # blocks shared instead of computed
     hit_tokens: int = 0     # tokens whose KV came from the cache (hit_blocks * block_size)
@@ -98,18 +105,23 @@ class BlockManager:
     """Allocates physical blocks to sequences and shares the blocks of common prefixes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn | None = None):
+                 hash_fn: HashFn | None = None, allocator: PageAllocator | None = None):
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("block_size", block_size, " (tokens per block)")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable as hash_fn(parent_hash, token_ids), got {hash_fn!r}.")
+        if allocator is not None and (not isinstance(allocator, PageAllocator) or allocator.num_pages != num_blocks
+                                      or allocator.num_free != num_blocks):
+            raise ValueError(f"allocator must be an untouched PageAllocator of {num_blocks} pages (a pool's "
+                             "`allocator`, with pages of block_size slots), got {allocator!r}.")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_fn: HashFn = hash_fn or hash_block_tokens
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # Free block ids, least recently freed first: prefixes freed last survive longest.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.allocator = allocator or PageAllocator(num_blocks, device="cpu")
+        # Cached blocks nobody uses, least recently freed first: prefixes freed last survive longest.
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._live: set[int] = set()  # seq_ids whose block table came from this manager
         self.stats = PrefixCacheStats()
 
@@ -121,33 +133,40 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence could get now: free in the allocator, or cached and nobody's."""
+        return self.allocator.num_free + len(self._cached)
 
     @property
     def free_block_ids(self) -> list[int]:
-        """Free blocks in the order they will be handed out (least recently freed first)."""
-        return list(self._free)
+        """Blocks in the order they will be handed out: the allocator's free pages, then cached
+        blocks, least recently freed first."""
+        return self.allocator.free_pages + list(self._cached)
 
     def is_cached(self, block_id: int) -> bool:
-        """Whether a free block can still be hit: the registry points at it (a duplicate block that
-        knows a hash someone else registered first cannot)."""
-        return self.blocks[block_id].ref_count == 0 and \
-            self.hash_to_block_id.get(self.blocks[block_id].hash) == block_id
+        """Whether a block nobody uses can still be hit (its hash is the published one)."""
+        return block_id in self._cached
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks whose published prefix can still be hit: the cache's evictable part."""
-        return sum(map(self.is_cached, self._free))
+        """Blocks nobody uses whose published prefix can still be hit: the cache's evictable part."""
+        return len(self._cached)
 
     def evict_cached(self) -> int:
-        """Forget every published prefix held only by free blocks (their KV becomes garbage);
-        returns the tokens forgotten. Blocks in use keep their hashes."""
-        evicted = [b for b in self._free if self.is_cached(b)]
+        """Forget every published prefix held only by the cache and give those blocks back to the
+        allocator; returns the tokens forgotten. Blocks in use keep their hashes."""
+        evicted = list(self._cached)
         for b in evicted:
-            block = self.blocks[b]
-            del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids, block.parent_hash = None, [], None
+            self._forget(self.blocks[b])
+        self._cached.clear()
+        self.allocator.free(torch.tensor(evicted, dtype=torch.int64))
+        self.stats.evicted_blocks += len(evicted)
         return len(evicted) * self.block_size
+
+    def _forget(self, block: Block) -> None:
+        """Drop what the block caches: its KV is about to be overwritten or is garbage."""
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.parent_hash = None, [], None
 
     def __repr__(self) -> str:
         return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -177,19 +196,16 @@ class BlockManager:
 
     # --- prefix lookup ---------------------------------------------------------------------
 
-    def _max_cached_blocks(self, seq: Sequence) -> int:
+    def _match(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest published prefix of these tokens. Reads only; changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        hit, h, size = [], None, self.block_size
         # The full-hit rule: at least the last token is computed, so the model has logits to
         # sample from. Dropping the whole last block (not just one token) means the recomputed
         # KV goes into a private block, never into one that other sequences are reading.
-        return (seq.num_tokens - 1) // self.block_size
-
-    def _match(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest published prefix of `seq`. Reads only; changes nothing."""
-        if not self.enable_prefix_caching:
-            return []
-        hit, h = [], None
-        for i in range(self._max_cached_blocks(seq)):
-            tokens = seq.block(i)
+        for i in range((len(token_ids) - 1) // size):
+            tokens = token_ids[i * size:(i + 1) * size]
             parent, h = h, self.hash_fn(h, tokens)
             block_id = self.hash_to_block_id.get(h)
             # Equal hashes with unequal tokens or a different parent is a collision: treat it as a
@@ -203,7 +219,7 @@ class BlockManager:
     def num_cached_prefix(self, seq: Sequence) -> int:
         """Tokens of `seq` that `allocate` would take from the cache now; changes no state or stats."""
         self._check_seq(seq)
-        return len(self._match(seq)) * self.block_size
+        return len(self._match(seq.token_ids)) * self.block_size
 
     def _blocks_needed(self, seq: Sequence, hit: list[int]) -> int:
         # A hit on a free (cached) block still takes it off the free list; only hits on blocks
@@ -215,7 +231,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate(seq)` would succeed now."""
         self._check_new(seq)
-        return self._blocks_needed(seq, self._match(seq)) <= self.num_free_blocks
+        return self._blocks_needed(seq, self._match(seq.token_ids)) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` a block table covering all its tokens, sharing its cached prefix.
@@ -225,19 +241,19 @@ class BlockManager:
         Raises KVCapacityError (and changes nothing) when there are not enough free blocks.
         """
         self._check_new(seq)
-        hit = self._match(seq)
+        hit = self._match(seq.token_ids)
         needed = self._blocks_needed(seq, hit)
         if needed > self.num_free_blocks:
             hint = ("it can never fit: use more blocks or a shorter prompt" if seq.num_blocks > self.num_blocks
                     else "deallocate finished sequences first (check can_allocate)")
             raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} free blocks but only "
                                   f"{self.num_free_blocks} are free: {hint}.")
-        for block_id in hit:  # before any miss pops the free list, so no hit is handed out
+        for block_id in hit:  # before any miss evicts a cached block, so no hit is handed out
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free[block_id]
+                del self._cached[block_id]
             block.ref_count += 1
-        seq.block_table[:] = hit + [self._take_free_block() for _ in range(seq.num_blocks - len(hit))]
+        seq.block_table[:] = hit + self._take_free_blocks(seq.num_blocks - len(hit))
         seq.num_cached_tokens = len(hit) * self.block_size
         self._live.add(seq.seq_id)
         if self.enable_prefix_caching:
@@ -246,16 +262,19 @@ class BlockManager:
             self.stats.hit_blocks += len(hit)
             self.stats.hit_tokens += seq.num_cached_tokens
 
-    def _take_free_block(self) -> int:
-        """Hand out the least recently freed block, forgetting what it cached."""
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        # Its KV is about to be overwritten: the hash must stop pointing here. Only drop the
-        # entry if it is ours; a duplicate block may share the hash with the registered one.
-        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]
-        block.hash, block.token_ids, block.parent_hash, block.ref_count = None, [], None, 1
-        return block_id
+    def _take_free_blocks(self, n: int) -> list[int]:
+        """`n` blocks for new KV (the caller checked there are enough): free pages of the allocator
+        first, then cached blocks, least recently freed first, each forgetting what it cached."""
+        fresh = min(n, self.allocator.num_free)
+        taken = self.allocator.alloc(fresh).tolist() if fresh else []
+        for _ in range(n - fresh):
+            block_id, _ = self._cached.popitem(last=False)
+            self._forget(self.blocks[block_id])
+            self.stats.evicted_blocks += 1
+            taken.append(block_id)
+        for block_id in taken:
+            self.blocks[block_id].ref_count = 1
+        return taken
 
     def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
         """Publish the full blocks of `seq` whose KV is computed; returns how many were newly hashed.
@@ -269,8 +288,7 @@ class BlockManager:
         covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_tokens
-        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int):
-            raise TypeError(f"num_computed_tokens must be an int, got {num_computed_tokens!r}.")
+        check_int("num_computed_tokens", num_computed_tokens)
         if not 0 <= num_computed_tokens <= covered:
             raise ValueError(f"num_computed_tokens={num_computed_tokens} is outside 0..{covered}, the tokens of "
                              f"sequence {seq.seq_id} that have slots: call may_append after append_token.")
@@ -303,17 +321,25 @@ class BlockManager:
             raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but only "
                                   f"{self.num_free_blocks} are free: "
                                   "preempt (deallocate) a sequence first (check can_append).")
-        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+        seq.block_table.extend(self._take_free_blocks(needed))
 
     def deallocate(self, seq: Sequence) -> None:
-        """Release the blocks of `seq`. Blocks nobody holds go to the back of the free list,
-        still cached; the table is walked in reverse so a prefix's tail is reused before its head."""
+        """Release the blocks of `seq`. A block nobody holds any more stays cached (at the back of
+        the LRU list) if it is the published copy of its prefix, and goes back to the allocator
+        otherwise. The table is walked in reverse, so a prefix's tail is evicted before its head."""
         self._check_live(seq)
+        released = []
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            if block.ref_count:
+                continue
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                self._cached[block_id] = None
+            else:
+                self._forget(block)
+                released.append(block_id)
+        self.allocator.free(torch.tensor(released[::-1], dtype=torch.int64))  # table order: head first
         seq.block_table.clear()
         seq.num_cached_tokens = 0
         self._live.discard(seq.seq_id)
@@ -323,9 +349,8 @@ class BlockManager:
     def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
         """KV slots of token positions [start, end) of `seq`: a 1-D int64 tensor."""
         self._check_live(seq)
-        for name, value in (("start", start), ("end", end)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int position, got {value!r}.")
+        check_int("start", start, what=" (a token position)")
+        check_int("end", end, what=" (a token position)")
         covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
         if not 0 <= start <= end <= covered:
             raise ValueError(f"Need 0 <= start <= end <= {covered} (tokens of sequence {seq.seq_id} with slots), "

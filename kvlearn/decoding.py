@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlearn.errors import check_positive_int
+from kvlearn.model import eos_token_ids
+
 
 @torch.no_grad()
 def greedy_decode(model, prompt_ids, max_new_tokens: int, use_cache: bool = True, stop_at_eos: bool = True,
@@ -24,8 +27,8 @@ def greedy_decode(model, prompt_ids, max_new_tokens: int, use_cache: bool = True
     """
     from transformers import DynamicCache
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    check_positive_int("max_new_tokens", max_new_tokens)
+    eos = eos_token_ids(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     cache = DynamicCache(config=model.config) if use_cache else None
     step_input, tokens, seconds = ids, [], []
@@ -37,7 +40,7 @@ def greedy_decode(model, prompt_ids, max_new_tokens: int, use_cache: bool = True
         tokens.append(token)
         if progress:
             progress()
-        if stop_at_eos and token == model.config.eos_token_id:
+        if stop_at_eos and token in eos:
             break
         new = torch.tensor([[token]], device=model.device)
         step_input = new if use_cache else torch.cat([step_input, new], dim=1)

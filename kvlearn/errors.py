@@ -1,15 +1,31 @@
-"""kvlearn's own exception class, and the one check of sizes that every entry point shares."""
+"""kvlearn's own exception class, and the checks of sizes and names that every entry point shares.
+
+Every check raises TypeError for a value of the wrong type (bools are never sizes or ids) and
+ValueError for a value out of range, naming the argument and what to give instead.
+"""
 
 
 class KVCapacityError(RuntimeError):
     """Not enough free KV slots or blocks for what was asked; nothing was allocated."""
 
 
-def check_positive_int(name: str, value, what: str = "") -> int:
-    """Return `value` if it is an int >= 1 (bools are not sizes); else TypeError or ValueError
-    naming the argument. `what` says what the number counts, e.g. " (tokens per page)"."""
+def check_int(name: str, value, minimum: int = 0, what: str = "") -> int:
+    """Return `value` if it is an int >= `minimum` (bools are not ints here); else TypeError or
+    ValueError naming the argument. `what` says what the number counts, e.g. " (tokens per page)"."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int{what}, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1{what}, got {value}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{what}, got {value}.")
+    return value
+
+
+def check_positive_int(name: str, value, what: str = "") -> int:
+    """`check_int` with minimum 1: sizes and counts."""
+    return check_int(name, value, 1, what)
+
+
+def check_choice(name: str, value, choices) -> str:
+    """Return `value` if it is one of `choices`; else ValueError listing them."""
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {value!r}: choose one of {', '.join(map(repr, choices))}.")
     return value

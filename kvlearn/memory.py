@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlearn.errors import check_int, check_positive_int
+
 GiB = 1 << 30
 
 
@@ -42,8 +44,7 @@ class KVConfig:
         if self.attention == "MLA":
             sizes.update(kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
         for field, value in sizes.items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}.")
+            check_positive_int(f"{self.name}: {field}", value)
         if self.attention != "MLA" and self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads}).")
@@ -111,8 +112,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
 
 def tokens_that_fit(config, budget_bytes: int, dtype: torch.dtype = torch.float32) -> int:
     """How many tokens' KV fit in `budget_bytes` (whole tokens only)."""
-    if not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}.")
+    check_int("budget_bytes", budget_bytes)
     return budget_bytes // kv_bytes_per_token(config, dtype)
 
 

@@ -3,8 +3,8 @@
 The logical layer (block tables, radix tree) never stores K or V itself. It stores *slot indices*
 into this pool, and the model's attention reads and writes K and V at those slots. Two pieces:
 
-- `KVPool`: the storage, `[num_layers, 2, num_slots, num_kv_heads, head_dim]` allocated once, plus a
-  slot allocator kept on tensors (a stack of free pages and a per-page free flag).
+- `KVPool`: the storage, `[num_layers, 2, num_slots, num_kv_heads, head_dim]` allocated once, and
+  the one `PageAllocator` (kvlearn.allocator) that says which of its pages are free.
 - `ReqToTokenPool`: one row per live request listing the slot of each of its tokens, the table
   attention reads a request's context through.
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.allocator import PageAllocator
+from kvlearn.device import resolve_device
+from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
-from kvlearn.model import resolve_device
 
 
 class KVPool:
@@ -50,12 +51,8 @@ class KVPool:
         assert self.nbytes == self.bytes_per_token * num_slots
         self.k = tuple(self.kv[layer, 0] for layer in range(num_layers))
         self.v = tuple(self.kv[layer, 1] for layer in range(num_layers))
-        num_pages = num_slots // page_size
-        # A stack of free page ids: the top is at the end, so fresh pools hand out page 0 first and a
-        # freed page is the next one reused (it is likely still warm in cache).
-        self._free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
-        self._num_free_pages = num_pages
-        self._page_is_free = torch.ones(num_pages, dtype=torch.bool, device=self.device)
+        # Every slot of the pool is handed out through this allocator, in every cache mode.
+        self.allocator = PageAllocator(num_slots // page_size, device=self.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
@@ -91,7 +88,7 @@ class KVPool:
     @property
     def num_free(self) -> int:
         """Free slots (always a whole number of pages)."""
-        return self._num_free_pages * self.page_size
+        return self.allocator.num_free * self.page_size
 
     @property
     def num_used(self) -> int:
@@ -122,42 +119,28 @@ class KVPool:
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Boolean tensor: is each of these (in-range) slots free?"""
-        return self._page_is_free[indices.to(self.device) // self.page_size]
+        return self.allocator.is_free(indices.to(self.device) // self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns an int64 tensor of slot ids. Raises KVCapacityError (and takes
         nothing) when fewer than `n` are free."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"alloc(n) needs an int number of slots, got {type(n).__name__}.")
-        if n < 0:
-            raise ValueError(f"alloc(n) needs n >= 0, got {n}.")
+        check_int("n", n)
         if n % self.page_size:
             raise ValueError(f"With page_size={self.page_size}, alloc(n) takes whole pages: n={n} is not a "
                              f"multiple of {self.page_size}; ask for {-(-n // self.page_size) * self.page_size}.")
-        pages = n // self.page_size
-        if pages > self._num_free_pages:
+        if n > self.num_free:
             raise KVCapacityError(f"The KV pool has {self.num_free} free slots, {n} were asked for: free "
                                   "finished requests, evict cached prefixes, or build a bigger pool.")
-        top = self._num_free_pages
-        taken = self._free_pages[top - pages:top].flip(0)
-        self._num_free_pages = top - pages
-        self._page_is_free[taken] = False
-        return (taken[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        return self.slots_of(self.allocator.alloc(n // self.page_size))
+
+    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slots of these pages, page after page."""
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
     def free(self, indices) -> None:
         """Give slots back. They must be allocated, distinct and (page_size > 1) make up whole pages;
         otherwise ValueError and nothing is freed."""
-        pages = self._pages_of(indices)
-        if pages.numel() == 0:
-            return
-        if self._page_is_free[pages].any():
-            bad = pages[self._page_is_free[pages]][:5].tolist()
-            raise ValueError(f"Double free: page(s) {bad} are already free (page_size={self.page_size}); "
-                             "each slot may be freed once per alloc.")
-        top = self._num_free_pages
-        self._free_pages[top:top + pages.numel()] = pages.flip(0)
-        self._num_free_pages = top + pages.numel()
-        self._page_is_free[pages] = True
+        self.allocator.free(self._pages_of(indices))
 
     def _pages_of(self, indices) -> torch.Tensor:
         """Validate slot ids given to `free` and return the distinct pages they cover."""

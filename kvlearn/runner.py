@@ -17,6 +17,7 @@ import torch
 
 from kvlearn.attention import AttentionMetadata, register
 from kvlearn.errors import check_positive_int
+from kvlearn.memory import get_config
 from kvlearn.pool import KVPool
 
 
@@ -26,9 +27,8 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool):
         if not isinstance(pool, KVPool):
             raise TypeError(f"pool must be a kvlearn.KVPool, got {type(pool).__name__}.")
-        cfg = model.config
-        expected = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                    getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        shape = get_config(model.config)
+        expected = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
         got = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
         if got != expected:
             raise ValueError(f"Pool shape (layers, kv_heads, head_dim)={got} does not match the model's "
@@ -36,7 +36,7 @@ class ModelRunner:
         if pool.kv.device != model.device:
             raise ValueError(f"Pool is on {pool.kv.device} but the model is on {model.device}: put both on one device.")
         self.model, self.pool = model, pool
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = model.config.vocab_size
         self.attn_implementation = register()
 
     @contextmanager

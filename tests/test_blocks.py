@@ -1,8 +1,10 @@
 """BlockManager: hand-worked scenarios with exact block ids, the runner's tensors, bad input.
 
-Every expected block id below was worked out by hand from two rules: the free list starts as
-0..num_blocks-1 and hands out the least recently freed block first, and deallocate frees a
-table from its last block to its first.
+Every expected block id below was worked out by hand from three rules: the allocator is a stack
+that starts as 0..num_blocks-1 and gets a freed table back head first (its head is reused first);
+a new block comes from the allocator while it has one, and only then from the cached blocks,
+least recently freed first; deallocate walks a table from its last block to its first, so a cached
+prefix's tail is evicted before its head.
 """
 
 import struct
@@ -36,9 +38,9 @@ def test_allocation_and_free_order_without_caching():
     a, b = prefill(m, seq(range(10))), prefill(m, seq(range(5)))
     assert (a.block_table, b.block_table, m.free_block_ids) == ([0, 1, 2], [3, 4], [5])
     m.deallocate(a)
-    assert m.free_block_ids == [5, 2, 1, 0]  # A's table freed last block first
+    assert m.free_block_ids == [0, 1, 2, 5]  # A's blocks back on top of the stack, head first
     c = prefill(m, seq(range(10)))
-    assert (c.block_table, c.num_cached_tokens) == ([5, 2, 1], 0)  # same tokens, but no caching
+    assert (c.block_table, c.num_cached_tokens) == ([0, 1, 2], 0)  # same tokens, but no caching
     assert m.hash_to_block_id == {} and all(b.hash is None for b in m.blocks)
     assert m.stats.queries == 0
 
@@ -71,33 +73,35 @@ def test_sharing_reuse_of_freed_cached_blocks_and_the_full_hit_rule():
 
     m.deallocate(a)
     m.deallocate(b)
-    assert m.free_block_ids == [4, 5, 6, 7, 2, 3, 1, 0]
-    assert sorted(m.hash_to_block_id.values()) == [0, 1]    # freed blocks are still cached
+    assert m.free_block_ids == [3, 2, 4, 5, 6, 7, 1, 0]      # partial blocks 2, 3 back to the allocator
+    assert sorted(m.hash_to_block_id.values()) == [0, 1]    # freed published blocks are still cached
+    assert (m.num_cached_free_blocks, m.allocator.num_free) == (2, 6)
 
     c = prefill(m, seq(range(1, 10)))                        # hits the two freed, cached blocks
-    assert (c.block_table, c.num_cached_tokens) == ([0, 1, 4], 8)
-    assert m.free_block_ids == [5, 6, 7, 2, 3]
+    assert (c.block_table, c.num_cached_tokens) == ([0, 1, 3], 8)
+    assert m.free_block_ids == [2, 4, 5, 6, 7]
 
     d = prefill(m, seq(range(1, 9)))                         # 8 tokens, all of them cached...
-    assert (d.block_table, d.num_cached_tokens) == ([0, 5], 4)  # ...but the last block is recomputed
-    assert m.hash_to_block_id[m.blocks[5].hash] == 1           # the duplicate stays unpublished
+    assert (d.block_table, d.num_cached_tokens) == ([0, 2], 4)  # ...but the last block is recomputed
+    assert m.hash_to_block_id[m.blocks[2].hash] == 1           # the duplicate stays unpublished
     assert (m.stats.queries, m.stats.hit_blocks, m.stats.hit_tokens, m.stats.query_tokens) == (4, 5, 20, 38)
     assert m.stats.hit_rate == pytest.approx(20 / 38)
 
 
-def test_least_recently_freed_is_reused_first_and_loses_its_hash():
+def test_free_pages_first_then_least_recently_freed_cached_blocks_which_lose_their_hash():
     m = BlockManager(4, 2)
     x = prefill(m, seq([1, 2, 3, 4], 2))
     m.deallocate(x)
-    assert m.free_block_ids == [2, 3, 1, 0]
+    assert m.free_block_ids == [2, 3, 1, 0]                    # allocator [2 3], then cached X tail-first
     y = prefill(m, seq([5, 6, 7], 2))
-    assert y.block_table == [2, 3]
+    assert y.block_table == [2, 3]                             # free pages first: X stays cached
     m.deallocate(y)
-    assert m.free_block_ids == [1, 0, 3, 2]
+    assert m.free_block_ids == [3, 1, 0, 2]                    # Y's partial block freed, its [5 6] cached
     z = prefill(m, seq([7, 8, 9, 10, 11], 2))
-    assert z.block_table == [1, 0, 3]                          # X's blocks were freed longest ago
-    assert list(m.hash_to_block_id.values()) == [2, 1, 0]      # X's hashes gone; Y's [5 6] stays; Z's
-    assert m.blocks[0].token_ids == [9, 10]                    # block 0 now holds Z's second block
+    assert z.block_table == [3, 1, 0]                          # then X's blocks, freed longest ago
+    assert list(m.hash_to_block_id.values()) == [2, 3, 1]      # X's hashes gone; Y's [5 6] stays; Z's
+    assert m.blocks[1].token_ids == [9, 10]                    # block 1 now holds Z's second block
+    assert m.stats.evicted_blocks == 2
     assert m.num_cached_prefix(seq([1, 2, 3, 4, 5], 2)) == 0
     assert m.num_cached_prefix(seq([5, 6, 0], 2)) == 2
 
@@ -114,9 +118,11 @@ def test_reusing_a_duplicate_block_keeps_the_published_copy():
     assert sorted(m.hash_to_block_id.values()) == [0, 1]      # first copy wins
     assert m.blocks[4].hash == m.blocks[1].hash
     m.deallocate(f)
+    assert (m.free_block_ids, m.num_cached_free_blocks) == ([3, 4, 5], 0)  # duplicates are not cached
+    assert m.blocks[4].hash is None
     g = prefill(m, seq([9, 9, 9], 2))
-    assert g.block_table == [5, 4]                             # F's duplicate block 4 is reused...
-    assert sorted(m.hash_to_block_id.values()) == [0, 1, 5]   # ...without dropping block 1's entry
+    assert g.block_table == [3, 4]                             # F's duplicate block 4 is reused...
+    assert sorted(m.hash_to_block_id.values()) == [0, 1, 3]   # ...without dropping block 1's entry
     assert m.num_cached_prefix(seq([1, 2, 3, 4, 5], 2)) == 4
 
 
@@ -261,7 +267,7 @@ def _live_setup():
     (lambda m, a: m.can_append(seq([1, 2], 2)), ValueError, "not allocated"),
     (lambda m, a: m.hash_blocks(seq([1, 2], 2)), ValueError, "not allocated"),
     (lambda m, a: m.hash_blocks(a, 7), ValueError, "outside 0..5"),
-    (lambda m, a: m.hash_blocks(a, -1), ValueError, "outside"),
+    (lambda m, a: m.hash_blocks(a, -1), ValueError, "num_computed_tokens"),
     (lambda m, a: m.hash_blocks(a, 2.0), TypeError, "int"),
     (lambda m, a: m.slot_mapping(a, 3, 2), ValueError, "start <= end"),
     (lambda m, a: m.slot_mapping(a, 0, 6), ValueError, "start <= end"),

@@ -1,7 +1,8 @@
 """BlockManager against a brute-force reference, driven by hypothesis.
 
-The reference knows nothing about hashes. It keeps the free list as a plain list, and for every
-published block the whole token prefix (a tuple) whose KV that block completes. A new sequence's
+The reference knows nothing about hashes. It keeps the allocator's free pages and the cached
+blocks nobody uses as two plain lists, and for every published block the whole token prefix (a
+tuple) whose KV that block completes. A new sequence's
 cached prefix is then "the longest run of its full-block prefixes that some published block
 holds", capped so the last token is always computed. Random allocate / compute / append /
 deallocate steps, and misuse of deallocated sequences, are checked against it after every step.
@@ -30,7 +31,8 @@ class BlockMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.caching = caching
         self.m = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.free = list(range(num_blocks))  # handed out from the front, freed to the back
+        self.stack = list(range(num_blocks))  # the allocator: handed out from the front, freed to the front
+        self.cached = []     # published blocks nobody uses: least recently freed at the front
         self.held = {}       # published and findable block id -> token prefix its KV completes
         self.hashed = set()  # block ids that carry a hash (findable, or a duplicate of one that is)
         self.live = []       # [sequence, tokens whose KV is computed]
@@ -52,20 +54,37 @@ class BlockMachine(RuleBasedStateMachine):
             hit.append(block_id)
         return hit
 
+    @property
+    def num_free(self):
+        return len(self.stack) + len(self.cached)
+
+    def forget(self, b):
+        self.held.pop(b, None)
+        self.hashed.discard(b)
+
     def take_free(self, n):
-        taken, self.free = self.free[:n], self.free[n:]
-        for b in taken:  # reused: whatever it cached is gone
-            self.held.pop(b, None)
-            self.hashed.discard(b)
-        return taken
+        fresh = min(n, len(self.stack))
+        taken, self.stack = self.stack[:fresh], self.stack[fresh:]
+        evicted, self.cached = self.cached[:n - fresh], self.cached[n - fresh:]
+        for b in evicted:  # reused: whatever it cached is gone
+            self.forget(b)
+        return taken + evicted
 
     def release(self, entry):
         s = entry[0]
         table = list(s.block_table)
         self.m.deallocate(s)
         self.live.remove(entry)
-        refs = self.refs()
-        self.free += [b for b in reversed(table) if refs[b] == 0]
+        refs, released = self.refs(), []
+        for b in reversed(table):
+            if refs[b]:
+                continue
+            if b in self.held:
+                self.cached.append(b)
+            else:
+                self.forget(b)
+                released.append(b)
+        self.stack = released[::-1] + self.stack
         self.dead.append(s)
         self.prompts.append(list(s.token_ids))
 
@@ -87,7 +106,7 @@ class BlockMachine(RuleBasedStateMachine):
         s = Sequence(tokens, block_size=self.bs)
         hit = self.expected_hit(tokens) if self.caching else []
         refs = self.refs()
-        fits = s.num_blocks - sum(refs[b] > 0 for b in hit) <= len(self.free)
+        fits = s.num_blocks - sum(refs[b] > 0 for b in hit) <= self.num_free
 
         before = snapshot(self.m)
         assert self.m.num_cached_prefix(s) == len(hit) * self.bs
@@ -97,7 +116,7 @@ class BlockMachine(RuleBasedStateMachine):
             self.unchanged(lambda: self.m.allocate(s), KVCapacityError, "free blocks")
             return
         self.m.allocate(s)
-        self.free = [b for b in self.free if b not in hit]
+        self.cached = [b for b in self.cached if b not in hit]
         assert s.block_table == hit + self.take_free(s.num_blocks - len(hit))
         assert s.num_cached_tokens == len(hit) * self.bs
         self.hit_tokens += s.num_cached_tokens
@@ -128,8 +147,8 @@ class BlockMachine(RuleBasedStateMachine):
         s = entry[0]
         s.append_token(token)
         need = s.num_blocks - len(s.block_table)
-        assert self.m.can_append(s) == (need <= len(self.free))
-        if need > len(self.free):
+        assert self.m.can_append(s) == (need <= self.num_free)
+        if need > self.num_free:
             self.unchanged(lambda: self.m.may_append(s), KVCapacityError, "preempt")
             self.release(entry)  # preempted
             return
@@ -151,11 +170,13 @@ class BlockMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_conserved_and_counted(self):
         refs = self.refs()
-        assert self.m.free_block_ids == self.free  # exact LRU order
+        assert self.m.free_block_ids == self.stack + self.cached  # exact allocator and LRU order
+        assert self.m.num_cached_free_blocks == len(self.cached)
         assert all(b.ref_count == refs[b.block_id] >= 0 for b in self.m.blocks)
         in_use = sum(b.ref_count > 0 for b in self.m.blocks)
         assert self.m.num_free_blocks + in_use == self.m.num_blocks
-        assert not set(self.free) & set(refs)
+        assert not set(self.stack + self.cached) & set(refs)
+        assert all(self.m.blocks[b].hash is None for b in self.stack)  # a free page caches nothing
 
     @invariant()
     def only_full_computed_blocks_are_published(self):

@@ -1,0 +1,75 @@
+"""Chapters 1 and 4: the free list of pages, the one allocator of a KV pool's memory.
+
+A pool's memory is cut into pages (a page is a block of chapter 1, or `page_size` slots of chapter
+4's pool). The allocator knows which pages are free and nothing else: who holds a page that is not
+free (a request, the prefix cache) is its caller's business.
+
+Kept on tensors so that taking or returning many pages is one tensor operation, not a Python loop:
+a stack of free page ids (the top at the end: a page freed last is handed out first, likely still
+warm in the CPU cache) and a free flag per page.
+
+Invariant: a page is in the stack exactly when its flag is set; `alloc` and `free` check their
+arguments before they change anything, so a refused call leaves the allocator as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlearn.device import resolve_device
+from kvlearn.errors import KVCapacityError, check_positive_int
+
+
+class PageAllocator:
+    """Hands out and takes back page ids 0 .. num_pages - 1."""
+
+    def __init__(self, num_pages: int, device=None):
+        check_positive_int("num_pages", num_pages)
+        self.device = resolve_device(device)
+        self.num_pages = num_pages
+        # Fresh allocators hand out page 0 first: the stack holds num_pages-1 .. 0, top at the end.
+        self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._num_free = num_pages
+        self._is_free = torch.ones(num_pages, dtype=torch.bool, device=self.device)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def free_pages(self) -> list[int]:
+        """Free page ids in the order `alloc` will hand them out."""
+        return self._stack[:self._num_free].flip(0).tolist()
+
+    def is_free(self, pages: torch.Tensor) -> torch.Tensor:
+        """Boolean tensor: is each of these (in-range) pages free?"""
+        return self._is_free[pages.to(self.device)]
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Take `n` free pages (int64 tensor of ids, top of the stack first); KVCapacityError, and
+        nothing taken, when fewer are free."""
+        if n > self._num_free:
+            raise KVCapacityError(f"{n} pages asked for but {self._num_free} of {self.num_pages} are free: "
+                                  "free some, evict cached prefixes, or make the pool bigger.")
+        top = self._num_free
+        taken = self._stack[top - n:top].flip(0)
+        self._num_free = top - n
+        self._is_free[taken] = False
+        return taken
+
+    def free(self, pages: torch.Tensor) -> None:
+        """Give back distinct, allocated pages (a 1-D int64 tensor); `pages[0]` is handed out first
+        next time. ValueError, and nothing freed, on a page that is already free."""
+        if pages.numel() == 0:
+            return
+        pages = pages.to(self.device)
+        if self._is_free[pages].any():
+            bad = pages[self._is_free[pages]][:5].tolist()
+            raise ValueError(f"Double free: page(s) {bad} are already free; each page may be freed once per alloc.")
+        top = self._num_free
+        self._stack[top:top + pages.numel()] = pages.flip(0)
+        self._num_free = top + pages.numel()
+        self._is_free[pages] = True
+
+    def __repr__(self) -> str:
+        return f"PageAllocator(pages={self.num_pages}, free={self._num_free})"
