@@ -8,11 +8,15 @@ Invariants, kept by every public method:
 - every node except the root holds at least one page of tokens, and `len(key) == len(value)`,
   both a multiple of `page_size`; children are keyed by their first token (first page when
   `page_size > 1`), so two children of one node never start with the same token (page);
-- `lock_ref` of a node >= `lock_ref` of any of its children; the root's counts the locks held;
+- `lock_ref` of a node = its `own_locks` (locks taken on exactly this node) + the `lock_ref` of
+  its children, so it is >= theirs, and the root's counts every lock held; only a node with
+  `own_locks > 0` can be unlocked (SGLang and mini-sglang stop locking below the root; kvlearn
+  counts the root too, which changes no size: the root holds no tokens);
 - `evictable_size` = tokens in nodes with lock_ref 0, `protected_size` = tokens in nodes with
   lock_ref > 0, and `total_size` = their sum = tokens in the tree;
 - only unlocked leaves are evicted, least recently used first, by a logical clock that ticks once
-  per `match_prefix` or `insert` call (no wall time: the same calls give the same evictions).
+  per `match_prefix` or `insert` call (no wall time: the same calls give the same evictions);
+  `match_len` is a pure query: it neither splits nor ticks.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from kvlearn.errors import check_positive_int
+from kvlearn.errors import check_int, check_positive_int
 
 
 class TreeNode:
@@ -31,11 +35,11 @@ class TreeNode:
 
     key: tuple of token ids on the edge; value: 1-D int64 tensor of their slot ids; children:
     dict from first token (first page tuple when page_size > 1) to child; lock_ref: requests
-    using this node or a node below it; last_access: logical time of the last match or insert
+    using this node or a node below it; own_locks: those that locked exactly this node; last_access: logical time of the last match or insert
     that walked through it. A node removed from the tree has `parent is None`.
     """
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access")
 
     def __init__(self, node_id: int, key: tuple, value: torch.Tensor, parent: TreeNode | None,
                  lock_ref: int = 0, last_access: int = 0):
@@ -45,6 +49,7 @@ class TreeNode:
         self.parent = parent
         self.children: dict = {}
         self.lock_ref = lock_ref
+        self.own_locks = 0
         self.last_access = last_access
 
     def __len__(self) -> int:
@@ -87,9 +92,10 @@ class RadixCache:
         pool.free(slots[len(m):n])             # our copies of tokens someone inserted meanwhile
         pool.free(slots[len(tokens) // page_size * page_size:])   # unaligned tail (pages > 1)
         cache.unlock(m.last_node)
-    To keep the inserted path protected for longer (e.g. a prompt inserted right after its prefill,
-    while the request still decodes), take `m2 = cache.match_prefix(tokens)`, then
-    `cache.lock(m2.last_node)` before `cache.unlock(m.last_node)`.
+    To keep the inserted path protected while the request goes on (a prompt inserted right after
+    its prefill, while it still decodes), `n, m2 = cache.insert_prefix(tokens, slots)` also returns
+    the match of the whole inserted key: switch to `m2.indices` and move the lock from
+    `m.last_node` to `m2.last_node` (no second walk).
     """
 
     def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
@@ -148,25 +154,46 @@ class RadixCache:
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return MatchResult(indices, node)
 
+    def match_len(self, key) -> int:
+        """How many tokens `match_prefix(key)` would match now (whole pages), as a pure query: it
+        splits no edge and ticks no clock, so asking (e.g. to order a queue) changes nothing."""
+        key = self._aligned(self._as_key(key))
+        node, i, n = self.root, 0, len(key)
+        while i < n:
+            child = node.children.get(key[i] if self.page_size == 1 else key[i:i + self.page_size])
+            if child is None:
+                return i
+            if key[i:i + len(child.key)] != child.key:
+                return i + self._common_length(child.key, key, i)
+            node, i = child, i + len(child.key)
+        return i
+
     def insert(self, key, value) -> int:
         """Cache `value[i]` as the slot of `key[i]`; return how many leading tokens were already
         cached (their slots in `value` are duplicates the caller frees). With page_size > 1 only
         the page-aligned head is stored; the caller also frees `value[aligned_length:]`.
         The tree keeps its own copy of the new slots."""
+        return self.insert_prefix(key, value)[0]
+
+    def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
+        """`insert`, also returning the match of the whole (aligned) key after inserting it: the
+        tree's slots for every token and the node to lock while they are in use."""
         key = self._as_key(key)
         value = self._as_value(value, len(key))
         key = self._aligned(key)
         self._clock += 1
-        node, matched, _ = self._walk(key)
+        node, matched, values = self._walk(key)
         if matched < len(key):
             leaf = TreeNode(next(self._ids), key[matched:], value[matched:len(key)].clone(), node,
                             last_access=self._clock)
             node.children[self._child_key(leaf.key)] = leaf
             self._nodes[leaf.id] = leaf
             self._evictable += len(leaf.key)
+            values.append(leaf.value)
             node = leaf
         self._touch_leaf(node)
-        return matched
+        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
+        return matched, MatchResult(indices, node)
 
     def _walk(self, key: tuple) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow `key` down from the root; return the last node, the matched length and the
@@ -217,6 +244,7 @@ class RadixCache:
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (lock_ref += 1 from node up to the root)."""
         self._check_node(node)
+        node.own_locks += 1
         while node is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
@@ -227,9 +255,11 @@ class RadixCache:
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`; nodes whose lock_ref drops to 0 become evictable again."""
         self._check_node(node)
-        if node.lock_ref == 0:
-            raise ValueError(f"unlock: node #{node.id} is not locked (lock_ref 0); "
-                             "call unlock only once for each lock of the same node.")
+        if node.own_locks == 0:
+            held = f" (lock_ref {node.lock_ref} counts locks on nodes below it)" if node.lock_ref else ""
+            raise ValueError(f"unlock: node #{node.id} was not locked itself{held}; unlock exactly the "
+                             "node you locked, once for each lock.")
+        node.own_locks -= 1
         start = node
         while node is not None:
             node.lock_ref -= 1
@@ -251,10 +281,7 @@ class RadixCache:
         """Free at least `num_tokens` tokens (whole leaves, least recently used first) or every
         evictable token if there are fewer; return the number freed. Each evicted node's slots
         go to `evict_callback`. A parent left as an unlocked leaf becomes a candidate in turn."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise TypeError(f"num_tokens must be an int (tokens, not pages), got {num_tokens!r}.")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}.")
+        check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
         freed = 0
         while freed < num_tokens and self._heap:
             last_access, node_id = heapq.heappop(self._heap)
@@ -342,6 +369,8 @@ class RadixCache:
                 assert len(node.key) % self.page_size == 0, f"node #{node.id} is not page-aligned"
                 assert node.parent.children[self._child_key(node.key)] is node, f"node #{node.id}: bad parent link"
                 assert node.parent.lock_ref >= node.lock_ref, f"node #{node.id} locked more than its parent"
+            assert node.lock_ref == node.own_locks + sum(c.lock_ref for c in node.children.values()), (
+                f"node #{node.id}: lock_ref {node.lock_ref} is not its own locks plus its children's")
             if node.lock_ref:
                 protected += len(node.key)
             else:

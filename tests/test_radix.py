@@ -258,6 +258,34 @@ def test_bad_input_raises_and_changes_nothing(call, error, words):
     assert state(cache) == before
 
 
+def test_unlock_takes_only_a_node_that_was_locked_itself():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], slots(10, 11, 12, 13))
+    head = cache.match_prefix([1, 2]).last_node          # splits [1 2 3 4] into [1 2] + [3 4]
+    leaf = cache.match_prefix([1, 2, 3, 4]).last_node
+    cache.lock(leaf)
+    before = state(cache)
+    with pytest.raises(ValueError, match="not locked itself.*counts locks on nodes below"):
+        cache.unlock(head)                               # locked only through its child
+    assert state(cache) == before
+    upper = cache.match_prefix([1, 2, 3]).last_node      # splits the locked leaf: [3] + [4]
+    assert (upper.lock_ref, upper.own_locks, leaf.key, leaf.own_locks) == (1, 0, (4,), 1)
+    with pytest.raises(ValueError, match="not locked itself"):
+        cache.unlock(upper)
+    cache.unlock(leaf)                                   # the object that was locked keeps its lock
+    cache.check_invariants()
+    assert (cache.protected_size, cache.evictable_size) == (0, 4)
+
+
+def test_insert_prefix_returns_what_to_lock_without_a_second_walk():
+    cache = RadixCache()
+    cache.insert([1, 2, 3], slots(10, 11, 12))
+    clock = cache._clock
+    present, match = cache.insert_prefix([1, 2, 3, 4, 5], slots(20, 21, 22, 23, 24))
+    assert (present, match.indices.tolist(), match.last_node.key) == (3, [10, 11, 12, 23, 24], (4, 5))
+    assert cache._clock == clock + 1 and cache.match_len([1, 2, 3, 4, 5, 6]) == 5
+
+
 def test_locking_an_evicted_node_is_refused():
     cache = filled()
     node = cache.match_prefix([1, 4]).last_node

@@ -74,6 +74,10 @@ class RadixMachine(RuleBasedStateMachine):
     def do_match(self, key):
         key = tuple(key)
         expect = self.cached_length(key)
+        before = self.cache._clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]
+        assert self.cache.match_len(list(key)) == expect
+        assert (self.cache._clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]) \
+            == before  # a pure query: no split, no tick
         result = self.cache.match_prefix(list(key))
         self.clock += 1
         assert len(result) == expect
@@ -88,12 +92,14 @@ class RadixMachine(RuleBasedStateMachine):
         self.next_slot += len(key)
         self.handed.extend(value.tolist())
         expect = self.cached_length(key)
-        got = self.cache.insert(key, value)
+        got, inserted = self.cache.insert_prefix(key, value)
         self.clock += 1
         assert got == expect
         aligned = self.aligned(key)
         for j in range(expect + self.page, len(aligned) + 1, self.page):
             self.slot[key[:j]] = tuple(value[j - self.page:j].tolist())
+        assert inserted.indices.tolist() == self.slots_of(key, len(aligned))  # the tree's slots, all of them
+        assert len(inserted.last_node) > 0 or not aligned
         self.touch(key, len(aligned))
         self.caller_freed.extend(value[:expect].tolist() + value[len(aligned):].tolist())
         self.keys.append(key)
