@@ -9,6 +9,7 @@ COMMANDS = {
     "bench": ("kvlearn.bench.cli", "every cache strategy and the Hugging Face peers on one workload, side by side"),
     "check": ("kvlearn.workshop.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
     "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
+    "route": ("kvlearn.routing.cli", "a trace on a fleet of replicas behind each routing policy, simulated (chapter 7)"),
     "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
 }
 

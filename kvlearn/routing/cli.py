@@ -1,0 +1,125 @@
+"""`python -m kvlearn route`: simulate a trace on a fleet of replicas behind a routing policy.
+
+    python -m kvlearn route --trace FILE.jsonl --replicas 8 --policy cache_aware
+    python -m kvlearn route --generate 20000 --tenants 64 --replicas 16 --policy all --json
+    python -m kvlearn route --calibrate --time-model my_machine.json
+
+`--trace` reads a JSON Lines trace (see kvlearn.routing.traces); `--generate N` makes a seeded
+multi-tenant one instead (`--save-trace` writes it out). `--policy all` runs every policy on the
+same trace. The table (or, with --json, one JSON object per policy and line) reports the hit rate,
+load imbalance (busiest replica's busy time over the mean), TTFT percentiles and throughput, all in
+the simulated time of the time model (`--time-model`, default: the one committed with kvlearn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.routing.policies import POLICIES
+
+# (field, header, width, format) of the table's columns; the first is left-aligned
+COLUMNS = (("policy", "policy", 12, ""), ("hit_rate", "hit rate", 9, ".1%"),
+           ("computed_prefill_tokens", "computed", 12, ","), ("load_imbalance", "imbalance", 10, ".2f"),
+           ("ttft_p50_s", "TTFT p50 s", 11, ".3f"), ("ttft_p99_s", "TTFT p99 s", 11, ".3f"),
+           ("throughput_tok_s", "tok/s", 9, ",.0f"), ("sim_wall_s", "wall s", 7, ".1f"))
+
+
+def _line(cells) -> str:
+    return " ".join(f"{cell:{'<' if i == 0 else '>'}{width}{fmt}}" for i, (cell, width, fmt) in enumerate(cells))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvlearn route", description=__doc__.split("\n\n")[0])
+    source = p.add_argument_group("trace (one of)")
+    source.add_argument("--trace", metavar="FILE.jsonl", help="JSON Lines trace: id, arrival, prompt_ids or prompt, "
+                                                              "max_new_tokens, optional session")
+    source.add_argument("--generate", type=int, metavar="N", help="a seeded multi-tenant trace of N requests")
+    gen = p.add_argument_group("generated trace")
+    gen.add_argument("--tenants", type=int, default=32, help="tenants (apps with their own system prompt)")
+    gen.add_argument("--rate", type=float, default=20.0, help="requests per second on average")
+    gen.add_argument("--hot-tenant", type=float, default=0.0, metavar="SHARE", help="extra share of sessions sent to tenant 0")
+    gen.add_argument("--burstiness", type=float, default=1.0, help="coefficient of variation of inter-arrivals (1 = Poisson)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--save-trace", metavar="FILE.jsonl", help="write the generated trace there")
+    fleet = p.add_argument_group("fleet")
+    fleet.add_argument("--replicas", type=int, default=4, help="engine replicas behind the router")
+    fleet.add_argument("--policy", default="cache_aware", choices=POLICIES + ("all",))
+    fleet.add_argument("--slots-per-replica", type=int, default=16384, help="KV slots (tokens) of each replica's pool")
+    fleet.add_argument("--cache", default="radix", choices=("radix", "blocks"))
+    fleet.add_argument("--max-batch-tokens", type=int, default=2048)
+    fleet.add_argument("--time-model", metavar="FILE.json", help="a time model from --calibrate (default: kvlearn's)")
+    knobs = p.add_argument_group("cache_aware / exact knobs")
+    knobs.add_argument("--cache-threshold", type=float)
+    knobs.add_argument("--balance-abs-threshold", type=float)
+    knobs.add_argument("--balance-rel-threshold", type=float)
+    knobs.add_argument("--max-tree-pages", type=int, help="cache_aware: pages per replica's approximate tree")
+    p.add_argument("--json", action="store_true", help="one JSON object per policy, one per line")
+    p.add_argument("--calibrate", action="store_true", help="time the real model and write a time model (to "
+                                                            "--time-model, default time_model.json)")
+    return p
+
+
+def _policy_options(args, policy: str) -> dict:
+    if policy not in ("cache_aware", "exact"):
+        return {}
+    options = {name: getattr(args, name) for name in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+               if getattr(args, name) is not None}
+    if policy == "cache_aware" and args.max_tree_pages is not None:
+        options["max_tree_pages"] = args.max_tree_pages
+    return options
+
+
+def _trace(args):
+    from kvlearn.routing.traces import multi_tenant_trace, read_trace, write_trace
+
+    if (args.trace is None) == (args.generate is None):
+        raise ValueError("Give exactly one of --trace FILE.jsonl and --generate N.")
+    if args.trace is not None:
+        return read_trace(args.trace)
+    trace = multi_tenant_trace(args.generate, num_tenants=args.tenants, rate=args.rate,
+                               hot_tenant_share=args.hot_tenant, burstiness=args.burstiness, seed=args.seed)
+    if args.save_trace:
+        write_trace(trace, args.save_trace)
+    return trace
+
+
+def _run(args) -> int:
+    from kvlearn.routing.fleet import simulate_fleet
+    from kvlearn.routing.timemodel import TimeModel, calibrate
+
+    if args.calibrate:
+        model = calibrate(progress=lambda line: print(line, file=sys.stderr))
+        path = model.save(args.time_model or "time_model.json")
+        print(f"{model}\nwritten to {path}; use it with --time-model {path}")
+        return 0
+    check_positive_int("--replicas", args.replicas, " (replicas in the fleet)")
+    check_positive_int("--slots-per-replica", args.slots_per_replica, " (KV slots per replica)")
+    time_model = TimeModel.load(args.time_model) if args.time_model else None
+    trace = _trace(args)
+    policies = POLICIES if args.policy == "all" else (args.policy,)
+    if not args.json:
+        print(f"{len(trace):,} requests, {sum(r.num_prompt_tokens for r in trace):,} prompt tokens, "
+              f"{args.replicas} replicas x {args.slots_per_replica:,} slots ({args.cache})")
+        print(_line((header, width, "") for _, header, width, _ in COLUMNS))
+    for name in policies:
+        result = simulate_fleet(trace, name, args.replicas, cache=args.cache, slots_per_replica=args.slots_per_replica,
+                                time_model=time_model, max_batch_tokens=args.max_batch_tokens,
+                                progress=not args.json and len(trace) >= 5000, **_policy_options(args, name))
+        row = result.summary()
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(_line((row[key], width, fmt) for key, _, width, fmt in COLUMNS), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, TypeError, FileNotFoundError, KVCapacityError) as e:
+        print(f"route: error: {e}", file=sys.stderr)
+        return 2

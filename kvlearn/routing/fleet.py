@@ -1,0 +1,287 @@
+"""A fleet: N engine replicas behind a router, simulated in virtual time.
+
+Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` runs them on a
+slots-only pool without the model (every request "generates" the answer its trace recorded, then
+a filler token); `EngineReplica` wraps a real `Engine`. The same event loop drives both, so the
+router sees the same fleet and makes the same decisions:
+
+- requests arrive at their trace times; the policy picks a replica from a `RouterView` (requests
+  in flight, outstanding tokens, and for `exact` the replicas' real caches) and the request joins
+  that replica's waiting queue;
+- an idle replica with work starts a step: its scheduler forms the batch, and the step lasts what
+  the time model says for that batch's prefill tokens, decodes and context; when it ends, first
+  tokens count toward time to first token (TTFT) and finished requests leave.
+
+Invariants checked at the end: every request finished, and each replica's prompt tokens equal its
+cached plus computed prefill tokens when nothing was preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.pool import KVPool
+from kvlearn.routing.policies import Policy, RouterView
+from kvlearn.routing.timemodel import TimeModel, default_time_model
+from kvlearn.routing.traces import TraceRequest, unique_token_floor
+from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
+from kvlearn.serving.request import Request
+from kvlearn.serving.scheduler import Scheduler
+
+FILLER_TOKEN = 0  # what a simulated request generates past its recorded answer; generated traces never use it
+
+
+class SimReplica:
+    """A replica without the model: a real Scheduler and KV manager on a pool of bare slots."""
+
+    def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
+                 max_batch_tokens: int = 2048, schedule: str = "fcfs"):
+        page_size = default_page_size(cache) if page_size is None else page_size
+        self.kv = make_kv_manager(cache, KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu"))
+        self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, schedule=schedule)
+        self.page_size = page_size
+        self.answers: dict[int, tuple[int, ...]] = {}   # rid -> recorded answer
+
+    def submit(self, rid: int, treq: TraceRequest) -> Request:
+        req = Request(rid, treq.prompt_ids, treq.max_new_tokens, page_size=self.page_size)
+        self.answers[rid] = treq.answer
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> list[Request]:
+        """One scheduling step; returns the requests that got a token."""
+        batch = self.scheduler.schedule()
+        tokens = []
+        for req in batch.requests:
+            answer, k = self.answers[req.rid], len(req.token_ids) - req.num_prompt_tokens
+            tokens.append(answer[k] if k < len(answer) else FILLER_TOKEN)
+        for req in self.scheduler.postprocess(batch, tokens):
+            del self.answers[req.rid]
+        return batch.requests
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> dict:
+        return self.scheduler.stats
+
+
+class EngineReplica:
+    """A replica running the real model: a kvlearn Engine (several may share one model object)."""
+
+    def __init__(self, engine):
+        self.engine, self.kv = engine, engine.kv
+        self.live: list[Request] = []
+
+    def submit(self, rid: int, treq: TraceRequest) -> Request:
+        req = self.engine.add_request(treq.prompt_ids, treq.max_new_tokens)
+        self.live.append(req)
+        return req
+
+    def step(self) -> list[Request]:
+        before = [len(r.token_ids) for r in self.live]
+        self.engine.step()
+        progressed = [r for r, n in zip(self.live, before) if len(r.token_ids) > n]
+        self.live = [r for r in self.live if r.status != "finished"]
+        return progressed
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    @property
+    def stats(self) -> dict:
+        return self.engine.stats
+
+
+@dataclass
+class FleetResult:
+    """What a fleet run measured. `per_replica` has one dict per replica; times are simulated."""
+
+    policy: str
+    replicas: int
+    requests: int
+    prompt_tokens: int
+    computed_prefill_tokens: int
+    cached_tokens: int
+    unique_token_floor: int
+    hit_rate: float
+    load_imbalance: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    throughput_tok_s: float
+    makespan_s: float
+    output_tokens: int
+    preemptions: int
+    wall_s: float
+    per_replica: list[dict] = field(default_factory=list)
+    router: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)   # trace id -> generated token ids (when kept)
+
+    SUMMARY = ("policy", "replicas", "requests", "prompt_tokens", "computed_prefill_tokens", "unique_token_floor",
+               "hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s")
+
+    def summary(self) -> dict:
+        """The fields `route --json` prints, plus the simulator's own cost."""
+        row = {k: getattr(self, k) for k in self.SUMMARY}
+        row.update(cached_tokens=self.cached_tokens, makespan_s=self.makespan_s, preemptions=self.preemptions,
+                   sim_wall_s=round(self.wall_s, 3),
+                   sim_requests_per_s=round(self.requests / self.wall_s, 1) if self.wall_s else None, **self.router)
+        return row
+
+    def __repr__(self) -> str:
+        return (f"FleetResult({self.policy}, {self.replicas} replicas, {self.requests} requests: hit rate "
+                f"{self.hit_rate:.1%}, imbalance {self.load_imbalance:.2f}, TTFT p50 {self.ttft_p50_s:.3f} s "
+                f"p99 {self.ttft_p99_s:.3f} s)")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def check_fits(trace: list[TraceRequest], replica) -> None:
+    """Refuse a trace whose largest request could never fit in one replica's pool."""
+    largest = max(trace, key=lambda r: r.num_prompt_tokens + r.max_new_tokens)
+    probe = Request(-1, largest.prompt_ids, largest.max_new_tokens, page_size=replica.kv.page_size)
+    if not replica.kv.fits(probe):
+        raise KVCapacityError(
+            f"{largest.where} needs KV for {probe.max_tokens} tokens ({largest.num_prompt_tokens} prompt + "
+            f"{largest.max_new_tokens} new - 1) but a replica's pool holds {replica.kv.capacity}: use more slots "
+            f"per replica (--slots-per-replica), or drop that request.")
+
+
+def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_model: TimeModel | None = None,
+              keep_outputs: bool = False, progress: bool = False) -> FleetResult:
+    """Serve `trace` (sorted by arrival) on `replicas` (SimReplica or EngineReplica) routed by `policy`."""
+    if not trace:
+        raise ValueError("The trace is empty: give at least one request.")
+    if not replicas:
+        raise ValueError("A fleet needs at least one replica.")
+    check_fits(trace, replicas[0])
+    time_model = time_model or default_time_model()
+    n = len(replicas)
+    view = RouterView([0] * n, [0] * n, cached_len=lambda i, prompt: replicas[i].kv.cached_len(prompt))
+    busy_s, routed = [0.0] * n, [0] * n
+    running = [False] * n
+    steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
+    owner: dict[int, tuple[int, TraceRequest]] = {}   # id(Request) -> (replica, trace request)
+    ttft, outputs, done, seq = [], {}, 0, 0
+    first_arrival = trace[0].arrival
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(trace), desc=f"route {policy.name}", unit="req", leave=False, mininterval=0.5)
+    start_wall = time.perf_counter()
+
+    def start_step(i: int, now: float) -> None:
+        nonlocal seq
+        progressed = replicas[i].step()
+        prefill = decode = context = 0
+        for req in progressed:
+            context += len(req.token_ids) - 1
+            if len(req.token_ids) - req.num_prompt_tokens == 1:
+                prefill += 1
+            else:
+                decode += 1
+        stats = replicas[i].stats
+        computed = stats["computed_prefill_tokens"] - last_computed[i]
+        last_computed[i] = stats["computed_prefill_tokens"]
+        duration = time_model.step_s(computed, decode, context)
+        busy_s[i] += duration
+        running[i] = True
+        seq += 1
+        heapq.heappush(steps, (now + duration, seq, i, progressed))
+
+    last_computed = [replicas[i].stats["computed_prefill_tokens"] for i in range(n)]
+    next_arrival = 0
+    now = first_arrival
+    while next_arrival < len(trace) or steps:
+        if next_arrival < len(trace) and (not steps or trace[next_arrival].arrival < steps[0][0]):
+            treq = trace[next_arrival]
+            next_arrival += 1
+            now = treq.arrival
+            i = policy.choose(treq, view)
+            policy.routed(treq, i)
+            req = replicas[i].submit(next_arrival - 1, treq)
+            owner[id(req)] = (i, treq)
+            routed[i] += 1
+            view.inflight[i] += 1
+            view.outstanding[i] += treq.num_prompt_tokens + treq.max_new_tokens
+            if not running[i]:
+                start_step(i, now)
+            continue
+        now, _, i, progressed = heapq.heappop(steps)
+        running[i] = False
+        for req in progressed:
+            _, treq = owner[id(req)]
+            generated = len(req.token_ids) - req.num_prompt_tokens
+            view.outstanding[i] -= 1 + (req.num_prompt_tokens if generated == 1 else 0)
+            if generated == 1:
+                ttft.append(now - treq.arrival)
+            if req.status == "finished":
+                del owner[id(req)]
+                view.inflight[i] -= 1
+                view.outstanding[i] -= treq.max_new_tokens - generated
+                done += 1
+                if keep_outputs:
+                    outputs[treq.id] = req.token_ids[req.num_prompt_tokens:]
+                if bar is not None and done % 256 == 0:
+                    bar.update(256)
+        if replicas[i].has_unfinished():
+            start_step(i, now)
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - start_wall
+    assert done == len(trace) and not owner and not any(view.inflight), "requests left unfinished"
+
+    per_replica = []
+    for i, rep in enumerate(replicas):
+        s = rep.stats
+        per_replica.append({"replica": i, "requests": routed[i], "busy_s": round(busy_s[i], 4),
+                            "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
+                            "computed_prefill_tokens": s["computed_prefill_tokens"], "preemptions": s["preemptions"]})
+    for r in per_replica:
+        assert r["preemptions"] or r["prompt_tokens"] == r["cached_tokens"] + r["computed_prefill_tokens"], \
+            f"replica {r['replica']}: prompt tokens are not cached + computed: {r}"
+    total = {k: sum(r[k] for r in per_replica) for k in ("prompt_tokens", "cached_tokens", "computed_prefill_tokens",
+                                                          "preemptions")}
+    output_tokens = sum(rep.stats["output_tokens"] for rep in replicas)
+    makespan = now - first_arrival
+    prefill = total["cached_tokens"] + total["computed_prefill_tokens"]
+    mean_busy = sum(busy_s) / n
+    router = policy.tree_stats() if hasattr(policy, "tree_stats") else {}
+    if hasattr(policy, "decisions"):
+        router = {**router, "decisions": dict(policy.decisions)}
+    return FleetResult(
+        policy=policy.name, replicas=n, requests=len(trace), prompt_tokens=total["prompt_tokens"],
+        computed_prefill_tokens=total["computed_prefill_tokens"], cached_tokens=total["cached_tokens"],
+        unique_token_floor=unique_token_floor(trace),
+        hit_rate=round(total["cached_tokens"] / prefill, 4) if prefill else 0.0,
+        load_imbalance=round(max(busy_s) / mean_busy, 3) if mean_busy else 1.0,
+        ttft_p50_s=round(_percentile(ttft, 50), 4), ttft_p99_s=round(_percentile(ttft, 99), 4),
+        throughput_tok_s=round(output_tokens / makespan, 1) if makespan else 0.0, makespan_s=round(makespan, 3),
+        output_tokens=output_tokens, preemptions=total["preemptions"], wall_s=wall, per_replica=per_replica,
+        router=router, outputs=outputs)
+
+
+def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",
+                   slots_per_replica: int = 16384, time_model: TimeModel | None = None, max_batch_tokens: int = 2048,
+                   schedule: str = "fcfs", progress: bool = False, **policy_options) -> FleetResult:
+    """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy."""
+    from kvlearn.routing.policies import make_policy
+
+    check_positive_int("num_replicas", num_replicas, " (replicas in the fleet)")
+    check_positive_int("slots_per_replica", slots_per_replica, " (KV slots per replica)")
+    if cache not in CACHE_MODES:
+        raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
+    if isinstance(policy, str):
+        policy = make_policy(policy, num_replicas, **policy_options)
+    replicas = [SimReplica(cache, slots_per_replica, max_batch_tokens=max_batch_tokens, schedule=schedule)
+                for _ in range(num_replicas)]
+    return run_fleet(trace, policy, replicas, time_model, progress=progress)

@@ -1,0 +1,282 @@
+"""Routing policies: which replica serves the next request.
+
+A policy sees the request and a `RouterView` of the fleet: per replica, the requests in flight
+and the outstanding tokens (prompt and output tokens not yet computed) the router sent there, and,
+for `exact` only, a question to the replica's real KV manager. `choose(req, view)` returns a replica
+index; `routed(req, replica)` tells the policy where the request went.
+
+- round_robin, random: ignore everything;
+- least_load: power of two choices (Mitzenmacher 2001): two random replicas, the one with fewer
+  outstanding tokens;
+- prefix_hash: consistent hashing of the prompt's first `prefix_tokens` tokens onto a ring of
+  virtual nodes, so the same prefix always lands on the same replica;
+- cache_aware: SGLang's router. An approximate tree of prefixes per replica, kept from the
+  router's own decisions and bounded by LRU. If the fleet is imbalanced (busiest - idlest >
+  balance_abs_threshold and busiest > balance_rel_threshold * idlest, in requests), the least
+  loaded replica; else, if the best match covers more than cache_threshold of the prompt, the
+  replica with the best match (ties: least loaded); else the least loaded;
+- exact: the same rule with the real cached length of every replica (what a router fed with KV
+  events, like NVIDIA Dynamo's, knows) instead of the approximate trees.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from kvlearn.errors import check_positive_int
+
+
+@dataclass
+class RouterView:
+    """What the router knows about the fleet. Invariant: the lists have one entry per replica."""
+
+    inflight: list[int]                  # requests sent and not finished
+    outstanding: list[int]               # prompt + output tokens of those not yet computed
+    cached_len: Callable[[int, list[int]], int] | None = None   # (replica, prompt) -> cached tokens now
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.inflight)
+
+    def least_loaded(self, among=None) -> int:
+        """The replica (of `among`, default all) with the fewest requests in flight, then fewest
+        outstanding tokens, then the lowest index."""
+        among = range(self.num_replicas) if among is None else among
+        return min(among, key=lambda i: (self.inflight[i], self.outstanding[i], i))
+
+
+class Policy:
+    """Base class: `choose` a replica for each request; `routed` is told where it went."""
+
+    name = "policy"
+
+    def choose(self, req, view: RouterView) -> int:
+        raise NotImplementedError
+
+    def routed(self, req, replica: int) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self.next = 0
+
+    def choose(self, req, view):
+        replica = self.next % view.num_replicas
+        self.next += 1
+        return replica
+
+
+class RandomChoice(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def choose(self, req, view):
+        return self.rng.randrange(view.num_replicas)
+
+
+class LeastLoad(Policy):
+    """Power of two choices on outstanding tokens: nearly as balanced as asking every replica,
+    without herding every request onto the one that looked idlest a moment ago."""
+
+    name = "least_load"
+
+    def __init__(self, seed: int = 0):
+        self.rng = random.Random(seed)
+
+    def choose(self, req, view):
+        if view.num_replicas == 1:
+            return 0
+        a, b = self.rng.sample(range(view.num_replicas), 2)
+        return a if (view.outstanding[a], a) <= (view.outstanding[b], b) else b
+
+
+class PrefixHash(Policy):
+    """Consistent hashing: each replica owns `virtual_nodes` points of a ring; a prompt goes to the
+    owner of the first point at or after the hash of its first `prefix_tokens` tokens. Adding or
+    removing a replica moves only the prefixes next to its points."""
+
+    name = "prefix_hash"
+
+    def __init__(self, num_replicas: int, prefix_tokens: int = 256, virtual_nodes: int = 64):
+        # hashes of tuples of ints do not depend on PYTHONHASHSEED: the ring is the same every run
+        points = sorted((hash((replica, v, 0x9E3779B9)), replica)
+                        for replica in range(num_replicas) for v in range(virtual_nodes))
+        self.ring_keys = [key for key, _ in points]
+        self.ring_owners = [owner for _, owner in points]
+        self.prefix_tokens = prefix_tokens
+
+    def choose(self, req, view):
+        key = hash(tuple(req.prompt_ids[:self.prefix_tokens]))
+        at = bisect.bisect_left(self.ring_keys, key) % len(self.ring_keys)
+        return self.ring_owners[at]
+
+
+def page_hashes(token_ids: list[int], page_size: int) -> list[int]:
+    """Chained hashes of the prompt's full pages: hash i stands for the whole prefix up to page i
+    (chapter 2's block hashes), so equal hashes mean equal prefixes."""
+    hashes, h = [], 0
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        h = hash((h, *token_ids[start:start + page_size]))
+        hashes.append(h)
+    return hashes
+
+
+class ApproxTree:
+    """The router's guess of one replica's cache: the pages (by chained hash) it sent there, at most
+    `max_pages`, least recently used evicted first.
+
+    It is a radix tree of pages stored flat: a page's hash names the node and, through the chain,
+    its whole path. Invariant: a node is never less recently used than any node below it (paths are
+    touched from the leaf up), so LRU eviction always takes a leaf and the tree stays prefix-closed.
+    """
+
+    def __init__(self, max_pages: int):
+        self.pages: OrderedDict[int, None] = OrderedDict()   # oldest first
+        self.max_pages = max_pages
+        self.evicted_pages = 0
+
+    def match(self, hashes: list[int]) -> int:
+        """Leading pages of `hashes` present in the tree."""
+        n = 0
+        for h in hashes:
+            if h not in self.pages:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: list[int]) -> None:
+        for h in reversed(hashes):                 # leaf first: ancestors end up most recent
+            self.pages[h] = None
+            self.pages.move_to_end(h)
+        while len(self.pages) > self.max_pages:
+            self.pages.popitem(last=False)
+            self.evicted_pages += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the ordered dict plus its int keys."""
+        return sys.getsizeof(self.pages) + sum(sys.getsizeof(h) for h in self.pages)
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+class AffinityRule(Policy):
+    """SGLang's cache-aware rule (see the module docstring); subclasses say what each replica holds.
+
+    cache_threshold: smallest matched share of the prompt worth following (SGLang: 0.3).
+    balance_abs_threshold, balance_rel_threshold: the fleet counts as imbalanced when the busiest
+    replica has more than `abs` requests in flight above the idlest AND more than `rel` times as
+    many (SGLang: 64 and 1.5, sized for large GPU batches; kvlearn's replicas run far fewer
+    requests at once, hence 8).
+    """
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: float = 8,
+                 balance_rel_threshold: float = 1.5):
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}.")
+        if balance_abs_threshold < 0 or balance_rel_threshold < 1:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
+        self.decisions = {"imbalanced": 0, "cache_hit": 0, "low_match": 0}
+
+    def matched_tokens(self, req, view: RouterView) -> list[int]:
+        """Tokens of the prompt each replica holds (or is believed to)."""
+        raise NotImplementedError
+
+    def imbalanced(self, view: RouterView) -> bool:
+        busiest, idlest = max(view.inflight), min(view.inflight)
+        return busiest - idlest > self.balance_abs_threshold and busiest > self.balance_rel_threshold * idlest
+
+    def choose(self, req, view):
+        if self.imbalanced(view):
+            self.decisions["imbalanced"] += 1
+            return view.least_loaded()
+        matched = self.matched_tokens(req, view)
+        best = max(matched)
+        if best > self.cache_threshold * req.num_prompt_tokens:
+            self.decisions["cache_hit"] += 1
+            return view.least_loaded(i for i, m in enumerate(matched) if m == best)
+        self.decisions["low_match"] += 1
+        return view.least_loaded()
+
+
+class CacheAware(AffinityRule):
+    """The rule on approximate per-replica trees of `page_size`-token pages, kept from the router's
+    own decisions; each tree holds at most `max_tree_pages` pages (LRU), as SGLang bounds its tree."""
+
+    name = "cache_aware"
+
+    def __init__(self, num_replicas: int, page_size: int = 16, max_tree_pages: int = 1 << 14, **thresholds):
+        super().__init__(**thresholds)
+        check_positive_int("page_size", page_size)
+        check_positive_int("max_tree_pages", max_tree_pages)
+        self.page_size = page_size
+        self.trees = [ApproxTree(max_tree_pages) for _ in range(num_replicas)]
+        self._hashes: tuple = (None, [])      # (request, its page hashes): computed once per request
+
+    def _page_hashes(self, req) -> list[int]:
+        if self._hashes[0] is not req:
+            self._hashes = (req, page_hashes(req.prompt_ids, self.page_size))
+        return self._hashes[1]
+
+    def matched_tokens(self, req, view):
+        hashes = self._page_hashes(req)
+        return [tree.match(hashes) * self.page_size for tree in self.trees]
+
+    def routed(self, req, replica):
+        # The prompt is now (about to be) cached there, whichever branch of the rule chose it.
+        self.trees[replica].insert(self._page_hashes(req))
+
+    def tree_stats(self) -> dict:
+        """Pages and bytes the router's trees hold, and pages their LRU bound evicted."""
+        return {"tree_pages": sum(map(len, self.trees)), "tree_bytes": sum(t.nbytes for t in self.trees),
+                "tree_evicted_pages": sum(t.evicted_pages for t in self.trees)}
+
+
+class Exact(AffinityRule):
+    """The rule on what each replica really holds: its KV manager's `cached_len`, as a router fed
+    by KV events knows it (NVIDIA Dynamo's KV router, llm-d's precise prefix-cache scorer)."""
+
+    name = "exact"
+
+    def __init__(self, num_replicas: int, **thresholds):
+        super().__init__(**thresholds)
+
+    def matched_tokens(self, req, view):
+        prompt = req.prompt_ids
+        return [view.cached_len(i, prompt) for i in range(view.num_replicas)]
+
+
+POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "exact")
+
+
+def make_policy(name: str, num_replicas: int, seed: int = 0, **options) -> Policy:
+    """A fresh policy by name; `options` go to its constructor (e.g. cache_threshold=0.5)."""
+    if name == "round_robin":
+        return RoundRobin(**options)
+    if name == "random":
+        return RandomChoice(seed, **options)
+    if name == "least_load":
+        return LeastLoad(seed, **options)
+    if name == "prefix_hash":
+        return PrefixHash(num_replicas, **options)
+    if name == "cache_aware":
+        return CacheAware(num_replicas, **options)
+    if name == "exact":
+        return Exact(num_replicas, **options)
+    raise ValueError(f"Unknown policy {name!r}: choose one of {', '.join(POLICIES)} (or 'all' on the command line).")

@@ -1,0 +1,124 @@
+"""How long one engine step takes, so a fleet can be simulated without running the model.
+
+A step (chapter 6) computes some prefill tokens and one decode token for each running request, in
+one forward pass. Its time is modelled as
+
+    step_s = overhead_s + prefill_s_per_token * prefill_tokens
+                        + decode_s_per_seq * decode_seqs + attention_s_per_context_token * context_tokens
+
+where context_tokens is the sum, over the batch's requests, of the tokens each one attends to
+(its whole context). The coefficients are measured on the real model by `calibrate()` (least
+squares over timed forward passes) and stored as a small JSON file; `default_time_model()` reads
+the one committed with kvlearn, measured on the machine the course was built on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_PATH = Path(__file__).with_name("time_model.json")
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Seconds per step as a linear function of the step's work (see the module docstring)."""
+
+    overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_seq: float
+    attention_s_per_context_token: float
+    measured_on: str = ""
+
+    def __post_init__(self):
+        for name in ("overhead_s", "prefill_s_per_token", "decode_s_per_seq", "attention_s_per_context_token"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"TimeModel.{name} must be a number >= 0, got {value!r}.")
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        return (self.overhead_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
+                + self.attention_s_per_context_token * context_tokens)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path) -> TimeModel:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No time model at {path}: run `python -m kvlearn route --calibrate --time-model {path}`.")
+        try:
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{path} is not a kvlearn time model ({e}): re-create it with `route --calibrate`.") from e
+
+    def __repr__(self) -> str:
+        return (f"TimeModel({self.overhead_s * 1e3:.2f} ms/step + {self.prefill_s_per_token * 1e3:.3f} ms/prefill token + "
+                f"{self.decode_s_per_seq * 1e3:.3f} ms/decode seq + {self.attention_s_per_context_token * 1e6:.3f} "
+                f"us/context token)")
+
+
+def default_time_model() -> TimeModel:
+    """The time model committed with kvlearn (SmolLM2-135M, float32, measured on the course's CPU)."""
+    return TimeModel.load(DEFAULT_PATH)
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
+    """Time real forward passes of the model (prefills of several lengths, decode batches of several
+    sizes and contexts) and fit the TimeModel by least squares."""
+    import platform
+
+    import torch
+
+    from kvlearn.model import load_model
+    from kvlearn.pool import KVPool
+    from kvlearn.runner import ModelRunner
+
+    if model is None:
+        model, _ = load_model()
+    pool = KVPool.for_model(model.config, num_slots=8192, dtype=model.dtype, device=model.device)
+    runner = ModelRunner(model, pool)
+    context = pool.alloc(4096)   # a shared context for the decode probes: its values do not matter
+    rows, times = [], []
+
+    def probe(prefill: int, seqs: int, ctx: int):
+        # `seqs` decoding requests attending to `ctx` tokens each, plus one prefill of `prefill` tokens
+        ids, indices = [], []
+        fresh = pool.alloc(prefill + seqs)
+        if prefill:
+            ids.append([5] * prefill)
+            indices.append(fresh[:prefill])
+        for i in range(seqs):
+            ids.append([5])
+            indices.append(torch.cat([context[:ctx - 1], fresh[prefill + i:prefill + i + 1]]))
+        seconds = _timed(lambda: runner.forward(ids, indices), repeats)
+        pool.free(fresh)
+        rows.append([1.0, prefill, seqs, seqs * ctx + prefill])
+        times.append(seconds)
+        progress(f"  prefill {prefill:>4} + {seqs:>2} decodes x {ctx:>4} context: {seconds * 1e3:7.1f} ms")
+
+    for prefill in (32, 128, 512, 1024):
+        probe(prefill, 0, 1)
+    for seqs in (1, 4, 16, 32):
+        for ctx in (128, 2048):
+            probe(0, seqs, ctx)
+    probe(256, 8, 512)
+    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)[:, None]).solution
+    a, b, c, d = (max(float(x), 0.0) for x in coef[:, 0])
+    return TimeModel(a, b, c, d, measured_on=f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                                             f"{torch.get_num_threads()} threads, {model.dtype}, {model.device}")

@@ -1,0 +1,276 @@
+"""Traces: the requests that reach a fleet of replicas, when, and with which prompts.
+
+A trace is a list of `TraceRequest`s sorted by arrival time. It comes from one of two places:
+
+- `read_trace(path)`: the user's JSON Lines file, one request per line with the fields `id`
+  (string), `arrival` (seconds, >= 0), `prompt_ids` (token ids) or `prompt` (text, put through the
+  course's chat template), `max_new_tokens` (int >= 1) and optional `session` (string). Every line
+  is checked before anything runs; all bad lines are reported at once, each with its line number.
+- `multi_tenant_trace(...)`: a seeded generator of the traffic prefix caches live on. Its knobs
+  imitate what published production traces show:
+  * many tenants (apps), each with its own system prompt of a few hundred to a few thousand tokens,
+    and a few tenants taking most of the traffic: Zipf popularity, as measured for web objects
+    (Breslau et al., "Web caching and Zipf-like distributions", INFOCOM 1999) and used for prompt
+    popularity by prefix-caching studies;
+  * multi-turn sessions whose every turn resends the whole conversation so far (ShareGPT-style
+    chats; the Mooncake trace of Kimi, Qin et al. FAST 2025, shows long shared prefixes and
+    outputs far shorter than inputs);
+  * few-shot templates: a tenant's worked examples shared by a share of its sessions;
+  * Poisson arrivals, or burstier ones (BurstGPT, Wang et al. 2024, found production LLM arrivals
+    burstier than Poisson): inter-arrival times are Gamma with a chosen coefficient of variation.
+
+A generated prompt is stored as a tuple of shared parts (system prompt, examples, turns), so a
+100,000-request trace holds each system prompt once; `prompt_ids` joins the parts on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+from kvlearn.errors import check_positive_int
+
+VOCAB_SIZE = 49152      # SmolLM2's vocabulary: generated token ids are valid for the real model
+FIRST_TOKEN_ID = 3      # generated ids skip SmolLM2's special tokens 0-2 (end of text, <|im_start|>, <|im_end|>)
+FIELDS = {"id", "arrival", "prompt_ids", "prompt", "max_new_tokens", "session"}
+
+
+class TraceError(ValueError):
+    """A trace file has bad lines; the message lists each one with its line number."""
+
+
+@dataclass(eq=False)
+class TraceRequest:
+    """One request of a trace. `parts` joined are the prompt's token ids; `answer` is what the
+    request answered, as far as the trace knows it (the head of its session's next turn), so a
+    simulated replica caches the same tokens a real one did; `line` is its line in the file."""
+
+    id: str
+    arrival: float
+    parts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    session: str | None = None
+    answer: tuple[int, ...] = ()
+    line: int | None = None
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = sum(map(len, self.parts))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(chain.from_iterable(self.parts))
+
+    @property
+    def where(self) -> str:
+        """How error messages name this request."""
+        return f"request {self.id!r}" + (f" (line {self.line})" if self.line is not None else "")
+
+    def to_json(self) -> dict:
+        row = {"id": self.id, "arrival": round(self.arrival, 6), "prompt_ids": self.prompt_ids,
+               "max_new_tokens": self.max_new_tokens}
+        if self.session is not None:
+            row["session"] = self.session
+        return row
+
+    def __repr__(self) -> str:
+        session = f", session={self.session!r}" if self.session else ""
+        return (f"TraceRequest({self.id!r}, t={self.arrival:.3f}s, {self.num_prompt_tokens} prompt tokens, "
+                f"max_new_tokens={self.max_new_tokens}{session})")
+
+
+# --- reading and writing ---------------------------------------------------------------------------
+
+def _check_line(row, vocab_size: int | None) -> str | None:
+    """What is wrong with one parsed line, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    unknown = sorted(set(row) - FIELDS)
+    if unknown:
+        return f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(FIELDS))}"
+    for name in ("id", "arrival", "max_new_tokens"):
+        if name not in row:
+            return f"missing field {name!r}"
+    if not isinstance(row["id"], str) or not row["id"]:
+        return f"'id' must be a non-empty string, got {row['id']!r}"
+    arrival = row["arrival"]
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) or arrival < 0:
+        return f"'arrival' must be a number of seconds >= 0, got {arrival!r}"
+    n = row["max_new_tokens"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"'max_new_tokens' must be an int >= 1, got {n!r}"
+    if "session" in row and not isinstance(row["session"], str):
+        return f"'session' must be a string, got {row['session']!r}"
+    if ("prompt_ids" in row) == ("prompt" in row):
+        return "give exactly one of 'prompt_ids' (token ids) and 'prompt' (text)"
+    if "prompt" in row:
+        return None if isinstance(row["prompt"], str) and row["prompt"] else "'prompt' must be a non-empty string"
+    ids = row["prompt_ids"]
+    if not isinstance(ids, list) or not ids:
+        return "'prompt_ids' must be a non-empty list of token ids"
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0
+                or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        limit = f" and < {vocab_size}" if vocab_size is not None else ""
+        return f"'prompt_ids' must hold ints >= 0{limit}, found {bad!r}"
+    return None
+
+
+def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_errors: int = 20) -> list[TraceRequest]:
+    """Read and check a JSON Lines trace (see the module docstring); requests sorted by arrival.
+
+    Raises TraceError listing every bad line (up to `max_errors`) before returning anything. Lines
+    with `prompt` text are tokenized with `tokenizer` (default: the course's, loaded on demand)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No trace file at {path}: give a JSON Lines file (one request per line).")
+    rows, errors, seen = [], [], {}
+    with path.open(encoding="utf-8") as lines:
+        for number, text in enumerate(lines, 1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                errors.append(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})")
+                continue
+            problem = _check_line(row, vocab_size)
+            if problem is None and row["id"] in seen:
+                problem = f"id {row['id']!r} already used on line {seen[row['id']]}"
+            if problem is not None:
+                errors.append(f"{path}:{number}: {problem}")
+            else:
+                seen[row["id"]] = number
+                rows.append((number, row))
+    if errors:
+        shown = errors[:max_errors] + ([f"... and {len(errors) - max_errors} more"] if len(errors) > max_errors else [])
+        raise TraceError(f"{len(errors)} bad line(s) in the trace; nothing was simulated:\n  " + "\n  ".join(shown))
+    if not rows:
+        raise TraceError(f"{path} holds no requests: write one JSON object per line.")
+    if tokenizer is None and any("prompt" in row for _, row in rows):
+        from kvlearn.model import load_tokenizer
+        tokenizer = load_tokenizer()
+    requests = []
+    for number, row in rows:
+        if "prompt" in row:
+            from kvlearn.model import chat_ids
+            ids = chat_ids(tokenizer, row["prompt"])
+        else:
+            ids = row["prompt_ids"]
+        requests.append(TraceRequest(row["id"], float(row["arrival"]), (tuple(ids),), row["max_new_tokens"],
+                                     row.get("session"), line=number))
+    requests.sort(key=lambda r: r.arrival)  # stable: equal arrivals keep file order
+    _derive_answers(requests)
+    return requests
+
+
+def _derive_answers(requests: list[TraceRequest]) -> None:
+    """A turn's answer is where its session's next turn continues its prompt (up to max_new_tokens)."""
+    last = {}
+    for req in requests:
+        if req.session is None:
+            continue
+        before = last.get(req.session)
+        if before is not None and req.num_prompt_tokens > before.num_prompt_tokens:
+            prompt, previous = req.prompt_ids, before.prompt_ids
+            if prompt[:len(previous)] == previous:
+                before.answer = tuple(prompt[len(previous):len(previous) + before.max_new_tokens])
+        last[req.session] = req
+
+
+def write_trace(requests, path) -> Path:
+    """Write a trace as JSON Lines (the format `read_trace` reads)."""
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for req in requests:
+            f.write(json.dumps(req.to_json(), separators=(",", ":")) + "\n")
+    return path
+
+
+# --- the generator ---------------------------------------------------------------------------------
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(n))
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+
+
+def multi_tenant_trace(num_requests: int = 1000, num_tenants: int = 16, zipf_s: float = 1.1,
+                       system_tokens: tuple[int, int] = (200, 2000), question_tokens: tuple[int, int] = (16, 128),
+                       output_tokens: tuple[int, int] = (16, 128), mean_turns: float = 3.0,
+                       fewshot_share: float = 0.3, rate: float = 20.0, burstiness: float = 1.0,
+                       think_time_s: float = 5.0, hot_tenant_share: float = 0.0, seed: int = 0) -> list[TraceRequest]:
+    """A seeded multi-tenant trace of `num_requests` requests, sorted by arrival.
+
+    Tenants have Zipf(`zipf_s`) popularity and system prompts of log-uniform length in
+    `system_tokens`; `hot_tenant_share` > 0 sends that share of sessions to tenant 0 on top. A
+    share `fewshot_share` of tenants prepend one of three worked-example blocks (100-400 tokens)
+    chosen per session. Sessions start at `rate / mean_turns` per second with Gamma inter-arrivals
+    of coefficient of variation `burstiness` (1 = Poisson); each has a geometric number of turns of
+    mean `mean_turns`, `think_time_s` apart on average (exponential). Turn k's prompt is
+    turn k-1's prompt + its answer + a new question: questions and answers have log-uniform lengths
+    in `question_tokens` and `output_tokens`, and max_new_tokens is the answer's length.
+    """
+    check_positive_int("num_requests", num_requests)
+    check_positive_int("num_tenants", num_tenants)
+    if not 0 <= hot_tenant_share < 1 or not 0 <= fewshot_share <= 1:
+        raise ValueError("hot_tenant_share must be in [0, 1) and fewshot_share in [0, 1].")
+    if rate <= 0 or burstiness <= 0 or mean_turns < 1 or think_time_s < 0:
+        raise ValueError("rate and burstiness must be > 0, mean_turns >= 1 and think_time_s >= 0.")
+    rng = random.Random(seed)
+    systems = [_tokens(rng, _log_uniform(rng, *system_tokens)) for _ in range(num_tenants)]
+    examples = [[_tokens(rng, rng.randint(100, 400)) for _ in range(3)] if rng.random() < fewshot_share else []
+                for _ in range(num_tenants)]
+    weights = [1 / (k + 1) ** zipf_s for k in range(num_tenants)]
+    shape = 1 / burstiness ** 2                      # Gamma(shape, scale): mean 1/rate, cv = burstiness
+    session_rate = rate / mean_turns
+    requests, start, sid = [], 0.0, 0
+    while len(requests) < num_requests:
+        start += rng.gammavariate(shape, 1 / (shape * session_rate))
+        tenant = 0 if rng.random() < hot_tenant_share else rng.choices(range(num_tenants), weights)[0]
+        parts = (systems[tenant],) + ((rng.choice(examples[tenant]),) if examples[tenant] else ())
+        turns = 1
+        while rng.random() > 1 / mean_turns:
+            turns += 1
+        t, previous = start, None
+        for turn in range(turns):
+            if previous is not None:
+                previous.answer = _tokens(rng, previous.max_new_tokens)
+                parts = previous.parts + (previous.answer,)
+                t += rng.expovariate(1 / think_time_s) if think_time_s else 0.0
+            parts = parts + (_tokens(rng, _log_uniform(rng, *question_tokens)),)
+            previous = TraceRequest(f"s{sid}t{turn}", t, parts, _log_uniform(rng, *output_tokens),
+                                    session=f"tenant{tenant}/s{sid}")
+            requests.append(previous)
+        sid += 1
+    requests.sort(key=lambda r: r.arrival)
+    return requests[:num_requests]
+
+
+def tenant_of(req: TraceRequest) -> str | None:
+    """The tenant a generated request belongs to (its session is 'tenantK/sN')."""
+    return req.session.split("/")[0] if req.session and "/" in req.session else None
+
+
+def unique_token_floor(requests) -> int:
+    """Distinct token prefixes over the trace's prompts: no cache anywhere computes fewer.
+
+    Prompts are walked as paths of shared parts; below each path the distinct prefixes of the
+    next parts are counted with chapter 6's sorted-prefix method. Exact when sibling parts are
+    never one the other's prefix (true of parsed traces, whose prompts are single parts, and of
+    generated ones, whose parts are random and long)."""
+    from kvlearn.serving.workloads import unique_token_floor as floor_of
+
+    children: dict[tuple, dict[int, tuple]] = {}
+    for req in requests:
+        path = ()
+        for part in req.parts:
+            children.setdefault(path, {})[id(part)] = part
+            path = path + (id(part),)
+    return sum(floor_of(list(parts.values())) for parts in children.values())

@@ -1,0 +1,233 @@
+"""Chapter 7, model-free units: the trace generator and reader, and each routing policy."""
+
+import json
+import random
+
+import pytest
+
+from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
+                                      RoundRobin, RouterView, make_policy, page_hashes)
+from kvlearn.routing.traces import (TraceError, TraceRequest, multi_tenant_trace, read_trace, tenant_of,
+                                    unique_token_floor, write_trace)
+from kvlearn.serving.workloads import unique_token_floor as floor_of_prompts
+
+
+def req(prompt, rid="r"):
+    return TraceRequest(rid, 0.0, (tuple(prompt),), 4)
+
+
+def view(n, inflight=None, outstanding=None, cached=None):
+    return RouterView(list(inflight or [0] * n), list(outstanding or [0] * n),
+                      cached_len=(lambda i, p: cached[i]) if cached else None)
+
+
+# --- traces ----------------------------------------------------------------------------------------
+
+def test_generator_is_seeded_sorted_and_multi_turn():
+    a, b = multi_tenant_trace(300, seed=3), multi_tenant_trace(300, seed=3)
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+    assert multi_tenant_trace(300, seed=4)[0].prompt_ids != a[0].prompt_ids
+    by_session = {}
+    for r in a:
+        by_session.setdefault(r.session, []).append(r)
+    turns = [s for s in by_session.values() if len(s) > 1]
+    assert turns, "some sessions have several turns"
+    for s in turns:   # every turn resends the previous one, followed by its answer
+        for before, after in zip(s, s[1:]):
+            assert after.prompt_ids[:before.num_prompt_tokens + len(before.answer)] == before.prompt_ids + list(before.answer)
+
+
+def test_hot_tenant_takes_its_share():
+    trace = multi_tenant_trace(2000, num_tenants=32, hot_tenant_share=0.5, seed=1)
+    share = sum(tenant_of(r) == "tenant0" for r in trace) / len(trace)
+    assert 0.45 < share < 0.7   # 0.5 on top of its Zipf share
+
+
+def test_floor_of_parts_equals_floor_of_prompts():
+    trace = multi_tenant_trace(200, num_tenants=4, seed=0)
+    assert unique_token_floor(trace) == floor_of_prompts([r.prompt_ids for r in trace])
+
+
+def test_write_then_read_gives_the_same_trace_and_answers(tmp_path):
+    trace = multi_tenant_trace(100, seed=2)
+    back = read_trace(write_trace(trace, tmp_path / "t.jsonl"))
+    assert [(r.id, r.prompt_ids, r.max_new_tokens, r.session) for r in back] == \
+           [(r.id, r.prompt_ids, r.max_new_tokens, r.session) for r in trace]
+    for r, s in zip(back, trace):   # answers re-derived from the sessions' next turns
+        assert not r.answer or r.answer == s.answer[:len(r.answer)]
+    assert any(r.answer for r in back)
+
+
+def test_reader_sorts_by_arrival_and_tokenizes_text(tmp_path, tokenizer):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "b", "arrival": 2.0, "prompt": "Hello", "max_new_tokens": 3}\n\n'
+                    '{"id": "a", "arrival": 1, "prompt_ids": [5, 6, 7], "max_new_tokens": 2, "session": "x"}\n')
+    a, b = read_trace(path, tokenizer=tokenizer)
+    assert (a.id, a.prompt_ids, a.session, a.line) == ("a", [5, 6, 7], "x", 3)
+    from kvlearn.model import chat_ids
+    assert b.prompt_ids == chat_ids(tokenizer, "Hello")
+
+
+BAD_LINES = [
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1, "tenant": "x"}', "unknown field(s) 'tenant'"),
+    ('{"id": "a", "prompt_ids": [1], "max_new_tokens": 1}', "missing field 'arrival'"),
+    ('{"id": 7, "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1}', "'id' must be a non-empty string"),
+    ('{"id": "a", "arrival": -1, "prompt_ids": [1], "max_new_tokens": 1}', "'arrival' must be a number of seconds >= 0"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 0}', "'max_new_tokens' must be an int >= 1"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [], "max_new_tokens": 1}', "'prompt_ids' must be a non-empty list"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1, -2], "max_new_tokens": 1}', "found -2"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1, 49152], "max_new_tokens": 1}', "< 49152, found 49152"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1], "prompt": "x", "max_new_tokens": 1}', "exactly one of"),
+    ('{"id": "a", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1, "session": 3}', "'session' must be a string"),
+]
+
+
+@pytest.mark.parametrize("line,message", BAD_LINES, ids=[m for _, m in BAD_LINES])
+def test_bad_line_is_reported_with_its_number(tmp_path, line, message):
+    good = '{"id": "ok", "arrival": 0, "prompt_ids": [1, 2], "max_new_tokens": 1}'
+    path = tmp_path / "t.jsonl"
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(path)
+    assert "t.jsonl:2: " in str(e.value) and message in str(e.value)
+
+
+def test_all_bad_lines_reported_at_once_and_duplicates_named(tmp_path):
+    good = '{"id": "%s", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1}'
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([good % "a", "{", good % "a", good % "b"]) + "\n")
+    with pytest.raises(TraceError, match=r"2 bad line\(s\)") as e:
+        read_trace(path)
+    assert ":2: not valid JSON" in str(e.value) and ":3: id 'a' already used on line 1" in str(e.value)
+
+
+def test_missing_and_empty_trace_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No trace file"):
+        read_trace(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="holds no requests"):
+        read_trace(tmp_path / "empty.jsonl")
+
+
+def test_generator_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_requests"):
+        multi_tenant_trace(0)
+    with pytest.raises(ValueError, match="hot_tenant_share"):
+        multi_tenant_trace(10, hot_tenant_share=1.0)
+
+
+# --- policies --------------------------------------------------------------------------------------
+
+def test_round_robin_cycles():
+    p = RoundRobin()
+    assert [p.choose(req([1]), view(3)) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_random_is_seeded_and_covers_replicas():
+    p, q = RandomChoice(seed=5), RandomChoice(seed=5)
+    assert [p.choose(req([1]), view(4)) for _ in range(50)] == [q.choose(req([1]), view(4)) for _ in range(50)]
+    assert {p.choose(req([1]), view(4)) for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_least_load_takes_the_lighter_of_two():
+    p = LeastLoad(seed=0)
+    load = [50, 10, 30, 0]
+    for _ in range(200):
+        i = p.choose(req([1]), view(4, outstanding=load))
+        assert i != 0   # the heaviest replica always loses its pair
+    assert LeastLoad().choose(req([1]), view(1)) == 0
+
+
+def test_prefix_hash_is_sticky_on_the_prefix_and_spreads_prefixes():
+    p = PrefixHash(8, prefix_tokens=4)
+    a = p.choose(req([1, 2, 3, 4, 99]), view(8))
+    assert p.choose(req([1, 2, 3, 4, 7, 7]), view(8)) == a
+    rng = random.Random(0)
+    spread = {p.choose(req([rng.randrange(1000) for _ in range(4)]), view(8)) for _ in range(400)}
+    assert len(spread) == 8
+
+
+def test_prefix_hash_moves_few_prefixes_when_a_replica_joins():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10**6) for _ in range(4)] for _ in range(2000)]
+    before = [PrefixHash(8).choose(req(p), view(8)) for p in prompts]
+    after = [PrefixHash(9).choose(req(p), view(9)) for p in prompts]
+    moved = sum(b != a for b, a in zip(before, after)) / len(prompts)
+    assert moved < 0.25 and all(a == 8 for b, a in zip(before, after) if b != a)   # only to the new one
+
+
+def test_page_hashes_name_whole_prefixes():
+    a, b = page_hashes([1, 2, 3, 4, 5, 6, 7], 2), page_hashes([1, 2, 3, 4, 9, 9], 2)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert page_hashes([3, 4, 1, 2], 2)[1] != a[1]   # the same page after a different prefix differs
+
+
+def test_approx_tree_evicts_leaves_first_and_reports_memory():
+    tree = ApproxTree(max_pages=4)
+    shared = page_hashes(list(range(6)), 2)            # 3 pages
+    tree.insert(shared)
+    tree.insert(page_hashes(list(range(4)) + [50, 51], 2))   # shares 2 pages, adds 1: 4 pages
+    assert len(tree) == 4 and tree.match(shared) == 3
+    tree.insert(page_hashes([9, 9, 8, 8], 2))          # 2 new pages: the 2 oldest leaves go
+    assert len(tree) == 4 and tree.evicted_pages == 2
+    assert tree.match(shared) == 2                     # the shared trunk stayed, its old leaf went
+    assert tree.nbytes > 0
+
+
+def test_cache_aware_follows_its_own_decisions():
+    p = CacheAware(3, page_size=2, balance_abs_threshold=100)
+    system = list(range(100, 140))
+    first = p.choose(req(system + [1, 2]), view(3, inflight=[0, 0, 0]))
+    p.routed(req(system + [1, 2]), first)
+    load = [1, 1, 1]
+    load[first] = 2   # busier, but within the thresholds: affinity wins
+    assert p.choose(req(system + [5, 6, 7]), view(3, inflight=load)) == first
+    assert p.decisions["cache_hit"] == 1
+
+
+def test_cache_aware_low_match_and_imbalance_go_to_the_least_loaded():
+    p = CacheAware(3, page_size=2, cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    prompt = list(range(20))
+    p.routed(req(prompt), 0)
+    assert p.choose(req(list(range(500, 520))), view(3, inflight=[3, 2, 1])) == 2        # no match
+    assert p.choose(req(prompt), view(3, inflight=[10, 2, 1])) == 2                      # imbalanced
+    assert p.choose(req(prompt), view(3, inflight=[5, 2, 1])) == 0                       # 5-1 = 4: not above abs
+    assert p.decisions == {"imbalanced": 1, "cache_hit": 1, "low_match": 1}
+
+
+def test_cache_aware_ties_go_to_the_less_loaded_holder():
+    p = CacheAware(3, page_size=2)
+    prompt = list(range(10))
+    p.routed(req(prompt), 0)
+    p.routed(req(prompt), 2)
+    assert p.choose(req(prompt), view(3, inflight=[2, 0, 1])) == 2
+
+
+def test_cache_aware_trees_are_bounded():
+    p = CacheAware(2, page_size=4, max_tree_pages=10)
+    rng = random.Random(0)
+    for _ in range(50):
+        r = req([rng.randrange(1000) for _ in range(40)])
+        p.routed(r, p.choose(r, view(2)))
+    stats = p.tree_stats()
+    assert stats["tree_pages"] <= 20 and stats["tree_evicted_pages"] > 0 and stats["tree_bytes"] > 0
+
+
+def test_exact_asks_the_replicas():
+    p = Exact(3)
+    assert p.choose(req(list(range(10))), view(3, cached=[2, 8, 8], inflight=[0, 3, 1])) == 2
+    assert p.choose(req(list(range(10))), view(3, cached=[2, 2, 2], inflight=[0, 3, 1])) == 0   # 2/10 <= 0.3
+
+
+def test_make_policy_names_and_errors():
+    for name in POLICIES:
+        assert make_policy(name, 4).name == name
+    with pytest.raises(ValueError, match="Unknown policy 'fastest'.*round_robin"):
+        make_policy("fastest", 4)
+    with pytest.raises(ValueError, match="cache_threshold"):
+        make_policy("cache_aware", 4, cache_threshold=2)
+    with pytest.raises(ValueError, match="balance_rel_threshold"):
+        make_policy("exact", 4, balance_rel_threshold=0.5)
