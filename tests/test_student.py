@@ -107,3 +107,69 @@ def test_authoring_errors_name_the_cell(source, message):
 def test_write_student_copies_refuses_to_overwrite_the_source():
     with pytest.raises(ValueError, match="overwrite"):
         write_student_copies(NOTEBOOKS, NOTEBOOKS)
+
+
+@pytest.fixture
+def one_chapter(tmp_path):
+    """A src folder with one instructor notebook holding a solution, and an empty dest next to it."""
+    src = tmp_path / "notebooks"
+    src.mkdir()
+    nbformat.write(_notebook(f"{BEGIN}\nanswer = 42\n{END}"), src / "00_x.ipynb")
+    return src, tmp_path / "student"
+
+
+@pytest.mark.parametrize("kind", ["link to the instructor notebook", "dangling link"])
+def test_a_copy_path_that_is_a_link_is_refused_and_nothing_is_written(one_chapter, kind, capsys):
+    src, dest = one_chapter
+    nbformat.write(_notebook(f"{BEGIN}\nanswer = 1\n{END}"), src / "01_y.ipynb")
+    dest.mkdir()
+    outside = src.parent / "anywhere.ipynb"
+    target = src / "01_y.ipynb" if kind.startswith("link") else outside
+    (dest / "01_y.ipynb").symlink_to(target)
+    before = (src / "01_y.ipynb").read_bytes()
+    with pytest.raises(ValueError, match=r"01_y\.ipynb is a symbolic link"):
+        write_student_copies(src, dest)
+    assert (src / "01_y.ipynb").read_bytes() == before and not outside.exists()
+    assert sorted(p.name for p in dest.iterdir()) == ["01_y.ipynb"]  # 00_x was not written either
+    from kvlearn.__main__ import main
+
+    assert main(["student", "--src", str(src), "--dest", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "symbolic link" in err and str(dest / "01_y.ipynb") in err
+
+
+def test_a_dest_folder_that_is_a_link_is_refused(one_chapter):
+    src, dest = one_chapter
+    elsewhere = src.parent / "elsewhere"
+    elsewhere.mkdir()
+    dest.symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="symbolic link"):
+        write_student_copies(src, dest)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_hard_link_is_replaced_not_written_through(one_chapter):
+    src, dest = one_chapter
+    dest.mkdir()
+    (dest / "00_x.ipynb").hardlink_to(src / "00_x.ipynb")
+    before = (src / "00_x.ipynb").read_bytes()
+    write_student_copies(src, dest)
+    assert (src / "00_x.ipynb").read_bytes() == before
+    assert "answer = ...  # your answer here" in (dest / "00_x.ipynb").read_text()
+    assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb"]  # no temporary file left
+
+
+@pytest.mark.parametrize("bad", ["missing src", "src is a file", "dest is a file"])
+def test_bad_paths_give_one_line_and_exit_2(one_chapter, bad, capsys):
+    from kvlearn.__main__ import main
+
+    src, dest = one_chapter
+    if bad == "missing src":
+        src = src.parent / "nope"
+    elif bad == "src is a file":
+        src = src / "00_x.ipynb"
+    else:
+        dest.write_text("not a folder")
+    assert main(["student", "--src", str(src), "--dest", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and ("--src" in err or "--dest" in err)

@@ -14,6 +14,9 @@ code, outputs) is copied unchanged. `python -m kvlearn student` writes the copie
 import argparse
 import ast
 import copy
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -69,10 +72,21 @@ def _stub(block: list[str], indent: str, cell: str) -> list[str]:
 
 def write_student_copies(src="notebooks", dest="student") -> list[Path]:
     """Write the student copy of every `[0-9][0-9]_*.ipynb` in `src` to `dest`; return the paths.
-    Nothing is written if any notebook has a marker error. Nothing else needs copying: notebooks
+    Nothing is written if any notebook has a marker error, or if `dest` or any copy's path is a
+    symbolic link (dangling or not): writing through it could overwrite the instructor notebooks or
+    a file anywhere. Each copy is written to a new file that then replaces the old one, so a hard
+    link at that path is replaced, never written through. Nothing else needs copying: notebooks
     write figures through `kvlearn.viz.plots.figures_dir()` (the nearest figures/ folder up the tree),
     and their markdown links to `../figures/` resolve as long as `dest` sits next to `src`, as student/ does."""
     src, dest = Path(src), Path(dest)
+    if not src.is_dir():
+        raise (NotADirectoryError if src.exists() else FileNotFoundError)(
+            f"--src {src} is not a folder of notebooks: pass the folder that holds NN_*.ipynb (default notebooks/)")
+    if dest.is_symlink():
+        raise ValueError(f"--dest {dest} is a symbolic link: refusing to write student copies through it; "
+                         "pass a plain folder")
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(f"--dest {dest} is a file, not a folder: remove it or pass another --dest")
     if dest.resolve() == src.resolve():
         raise ValueError(f"dest is src ({src}): student copies would overwrite the instructor notebooks.")
     paths = sorted(src.glob("[0-9][0-9]_*.ipynb"))
@@ -80,14 +94,31 @@ def write_student_copies(src="notebooks", dest="student") -> list[Path]:
         raise FileNotFoundError(f"no notebooks named [0-9][0-9]_*.ipynb in {src}/")
     copies = {}
     for path in paths:
+        if (dest / path.name).is_symlink():
+            raise ValueError(f"{dest / path.name} is a symbolic link: refusing to write through it (it may point "
+                             "at an instructor notebook); remove the link, then run again")
         try:
             copies[dest / path.name] = student_copy(nbformat.read(path, as_version=4))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for path, nb in copies.items():
-        nbformat.write(nb, path)
+        _replace(path, nbformat.writes(nb) + "\n")
     return list(copies)
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to a new file in `path`'s folder, then rename it over `path` (which is replaced
+    itself, whatever it was: the rename never follows a link)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp made it private
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv=None) -> int:
@@ -96,6 +127,11 @@ def main(argv=None) -> int:
     parser.add_argument("--src", default="notebooks", help="the instructor notebooks (default notebooks/)")
     parser.add_argument("--dest", default="student", help="where the student copies go (default student/)")
     args = parser.parse_args(argv)
-    for path in write_student_copies(args.src, args.dest):
+    try:
+        paths = write_student_copies(args.src, args.dest)
+    except (OSError, ValueError) as err:
+        print(f"python -m kvlearn student: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
