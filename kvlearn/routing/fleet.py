@@ -66,6 +66,10 @@ class SimReplica:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def waiting_prompts(self):
+        """Prompts routed here that the scheduler has not admitted yet."""
+        return (req.token_ids for req in self.scheduler.waiting)
+
     @property
     def stats(self) -> dict:
         return self.scheduler.stats
@@ -92,6 +96,9 @@ class EngineReplica:
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
+
+    def waiting_prompts(self):
+        return (req.token_ids for req in self.live if req.status == "waiting")
 
     @property
     def stats(self) -> dict:
@@ -145,6 +152,28 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n   # the first mismatch by bisection: list slices compare in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def known_prefix_len(replica, prompt: list[int]) -> int:
+    """What a router fed by KV events knows a replica will have for `prompt` by the time it runs:
+    its real cache (`cached_len`), or the prefix shared with a request routed there and still
+    waiting (Dynamo's router counts its in-flight requests' blocks the same way)."""
+    waiting = (_common_prefix_len(prompt[:-1], other) for other in replica.waiting_prompts())
+    return max(replica.kv.cached_len(prompt), max(waiting, default=0))
+
+
 def check_fits(trace: list[TraceRequest], replica) -> None:
     """Refuse a trace whose largest request could never fit in one replica's pool."""
     largest = max(trace, key=lambda r: r.num_prompt_tokens + r.max_new_tokens)
@@ -166,7 +195,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     check_fits(trace, replicas[0])
     time_model = time_model or default_time_model()
     n = len(replicas)
-    view = RouterView([0] * n, [0] * n, cached_len=lambda i, prompt: replicas[i].kv.cached_len(prompt))
+    view = RouterView([0] * n, [0] * n, cached_len=lambda i, prompt: known_prefix_len(replicas[i], prompt))
     busy_s, routed = [0.0] * n, [0] * n
     running = [False] * n
     steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
@@ -271,9 +300,11 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
 
 
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",
-                   slots_per_replica: int = 16384, time_model: TimeModel | None = None, max_batch_tokens: int = 2048,
-                   schedule: str = "fcfs", progress: bool = False, **policy_options) -> FleetResult:
-    """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy."""
+                   slots_per_replica: int = 16384, page_size: int | None = None, time_model: TimeModel | None = None,
+                   max_batch_tokens: int = 2048, schedule: str = "fcfs", progress: bool = False,
+                   **policy_options) -> FleetResult:
+    """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy.
+    page_size: tokens per page of each replica's pool (default: the cache mode's)."""
     from kvlearn.routing.policies import make_policy
 
     check_positive_int("num_replicas", num_replicas, " (replicas in the fleet)")
@@ -282,6 +313,6 @@ def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: 
         raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
     if isinstance(policy, str):
         policy = make_policy(policy, num_replicas, **policy_options)
-    replicas = [SimReplica(cache, slots_per_replica, max_batch_tokens=max_batch_tokens, schedule=schedule)
+    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens=max_batch_tokens, schedule=schedule)
                 for _ in range(num_replicas)]
     return run_fleet(trace, policy, replicas, time_model, progress=progress)

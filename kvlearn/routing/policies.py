@@ -15,8 +15,9 @@ index; `routed(req, replica)` tells the policy where the request went.
   balance_abs_threshold and busiest > balance_rel_threshold * idlest, in requests), the least
   loaded replica; else, if the best match covers more than cache_threshold of the prompt, the
   replica with the best match (ties: least loaded); else the least loaded;
-- exact: the same rule with the real cached length of every replica (what a router fed with KV
-  events, like NVIDIA Dynamo's, knows) instead of the approximate trees.
+- exact: the same rule with what each replica really holds (what a router fed with KV events, like
+  NVIDIA Dynamo's, knows: the replica's cache, plus the requests it was sent and has not started)
+  instead of the approximate trees.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class RouterView:
 
     inflight: list[int]                  # requests sent and not finished
     outstanding: list[int]               # prompt + output tokens of those not yet computed
-    cached_len: Callable[[int, list[int]], int] | None = None   # (replica, prompt) -> cached tokens now
+    # (replica, prompt) -> tokens of the prompt the replica holds, or will once its queue is served
+    cached_len: Callable[[int, list[int]], int] | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -249,8 +251,8 @@ class CacheAware(AffinityRule):
 
 
 class Exact(AffinityRule):
-    """The rule on what each replica really holds: its KV manager's `cached_len`, as a router fed
-    by KV events knows it (NVIDIA Dynamo's KV router, llm-d's precise prefix-cache scorer)."""
+    """The rule on what each replica really holds: its KV manager's `cached_len` and its queue, as a
+    router fed by KV events knows it (NVIDIA Dynamo's KV router, llm-d's precise prefix-cache scorer)."""
 
     name = "exact"
 

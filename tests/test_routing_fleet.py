@@ -1,0 +1,178 @@
+"""Chapter 7, the simulated fleet and `python -m kvlearn route`: every request finishes, the counts
+add up, cache-aware routing wins on multi-tenant traffic without piling up a hot tenant, bad input
+is refused before anything runs."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlearn.errors import KVCapacityError
+from kvlearn.routing.cli import main as route
+from kvlearn.routing.fleet import simulate_fleet
+from kvlearn.routing.policies import POLICIES
+from kvlearn.routing.timemodel import TimeModel, default_time_model
+from kvlearn.routing.traces import TraceRequest, multi_tenant_trace, write_trace
+
+TM = TimeModel(overhead_s=0.01, prefill_s_per_token=2e-4, decode_s_per_seq=2e-3, attention_s_per_context_token=1e-6)
+
+
+@st.composite
+def traces(draw):
+    """Small traces whose prompts share prefixes: a few stems, random tails, random arrivals."""
+    stems = draw(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=12), min_size=1, max_size=3))
+    n = draw(st.integers(1, 12))
+    trace, t = [], 0.0
+    for i in range(n):
+        t += draw(st.floats(0, 0.5))
+        tail = draw(st.lists(st.integers(1, 9), min_size=0, max_size=6))
+        prompt = draw(st.sampled_from(stems)) + tail
+        trace.append(TraceRequest(f"r{i}", t, (tuple(prompt),), draw(st.integers(1, 5)), session=f"s{i % 3}"))
+    return trace
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(), replicas=st.integers(1, 4), policy=st.sampled_from(POLICIES),
+       slots=st.sampled_from([32, 64, 1024]), cache=st.sampled_from(["radix", "blocks"]))
+def test_every_request_finishes_and_the_counts_add_up(trace, replicas, policy, slots, cache):
+    r = simulate_fleet(trace, policy, replicas, cache=cache, slots_per_replica=slots,
+                       page_size=4 if cache == "blocks" else None, time_model=TM)
+    assert r.requests == len(trace) == sum(p["requests"] for p in r.per_replica)
+    assert r.prompt_tokens == sum(t.num_prompt_tokens for t in trace)
+    assert r.cached_tokens == sum(p["cached_tokens"] for p in r.per_replica)
+    assert r.cached_tokens + r.computed_prefill_tokens >= r.prompt_tokens   # equal unless preempted
+    if not r.preemptions:
+        assert r.cached_tokens + r.computed_prefill_tokens == r.prompt_tokens
+    assert r.computed_prefill_tokens >= r.unique_token_floor   # no cache computes a prefix it never saw
+    assert 0 <= r.hit_rate <= 1 and r.load_imbalance >= 1 and 0 < r.ttft_p50_s <= r.ttft_p99_s
+
+
+def test_one_replica_makes_every_policy_equal():
+    trace = multi_tenant_trace(150, num_tenants=4, seed=0)
+    results = {p: simulate_fleet(trace, p, 1, time_model=TM) for p in POLICIES}
+    assert len({(r.hit_rate, r.ttft_p99_s, r.makespan_s) for r in results.values()}) == 1
+
+
+@pytest.fixture(scope="module")
+def multi_tenant():
+    trace = multi_tenant_trace(1500, num_tenants=32, rate=40, seed=0)
+    return {p: simulate_fleet(trace, p, 8, slots_per_replica=8192, time_model=TM) for p in POLICIES}
+
+
+def test_cache_aware_beats_load_balancing_on_hit_rate(multi_tenant):
+    hit = {p: r.hit_rate for p, r in multi_tenant.items()}
+    assert hit["cache_aware"] > hit["round_robin"] + 0.15
+    assert hit["cache_aware"] > hit["least_load"] + 0.15
+    assert hit["exact"] >= hit["cache_aware"]
+    for r in multi_tenant.values():
+        assert r.computed_prefill_tokens >= r.unique_token_floor
+
+
+def test_hot_tenant_affinity_without_thresholds_piles_up_and_thresholds_fix_it():
+    trace = multi_tenant_trace(1500, num_tenants=32, rate=40, hot_tenant_share=0.5, seed=0)
+    run = lambda policy, **kw: simulate_fleet(trace, policy, 8, slots_per_replica=8192, time_model=TM, **kw)
+    least, hashed, aware = run("least_load"), run("prefix_hash"), run("cache_aware")
+    greedy = run("cache_aware", balance_abs_threshold=10**9)
+    assert hashed.load_imbalance > 2 and greedy.load_imbalance > 1.5 * aware.load_imbalance
+    assert aware.load_imbalance <= least.load_imbalance + 0.3
+    assert aware.hit_rate > least.hit_rate + 0.15
+    assert aware.ttft_p99_s < greedy.ttft_p99_s
+
+
+def test_router_trees_are_bounded_and_reported():
+    trace = multi_tenant_trace(400, num_tenants=16, seed=1)
+    small = simulate_fleet(trace, "cache_aware", 4, time_model=TM, max_tree_pages=200)
+    assert small.router["tree_pages"] <= 4 * 200 and small.router["tree_evicted_pages"] > 0
+    assert small.router["tree_bytes"] > 0
+
+
+def test_bad_fleets_are_refused():
+    trace = [TraceRequest("big", 0.0, (tuple(range(1, 300)),), 10, line=7)]
+    with pytest.raises(KVCapacityError, match=r"request 'big' \(line 7\) needs KV for 308 tokens.*holds 256"):
+        simulate_fleet(trace, "round_robin", 2, slots_per_replica=256, time_model=TM)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1"):
+        simulate_fleet(trace, "round_robin", 0, time_model=TM)
+    with pytest.raises(ValueError, match="Unknown policy"):
+        simulate_fleet(trace, "nearest", 2, time_model=TM)
+    with pytest.raises(ValueError, match="Unknown cache"):
+        simulate_fleet(trace, "random", 2, cache="lru", time_model=TM)
+
+
+def test_the_committed_time_model_is_measured_and_sane():
+    tm = default_time_model()
+    assert tm.measured_on and tm.prefill_s_per_token > 0 and tm.decode_s_per_seq + tm.overhead_s > 0
+    assert tm.step_s(512, 0, 512) > tm.step_s(0, 1, 512)    # a long prefill costs more than one decode
+
+
+def test_time_model_round_trips_and_rejects_bad_files(tmp_path):
+    assert TimeModel.load(TM.save(tmp_path / "tm.json")) == TM
+    (tmp_path / "bad.json").write_text('{"overhead": 1}')
+    with pytest.raises(ValueError, match="not a kvlearn time model"):
+        TimeModel.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="prefill_s_per_token must be a number >= 0"):
+        TimeModel(0, -1, 0, 0)
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def trace_file(tmp_path):
+    return write_trace(multi_tenant_trace(120, num_tenants=6, seed=0), tmp_path / "trace.jsonl")
+
+
+def test_route_json_has_the_promised_fields(trace_file, capsys):
+    assert route(["--trace", str(trace_file), "--replicas", "3", "--policy", "cache_aware", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    for key in ("policy", "replicas", "requests", "prompt_tokens", "computed_prefill_tokens", "unique_token_floor",
+                "hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"):
+        assert key in row
+    assert (row["policy"], row["replicas"], row["requests"]) == ("cache_aware", 3, 120)
+
+
+def test_route_all_compares_every_policy(trace_file, capsys):
+    assert route(["--trace", str(trace_file), "--replicas", "2", "--policy", "all", "--cache", "blocks"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("120 requests") and out[1].split()[:3] == ["policy", "hit", "rate"]
+    assert [line.split()[0] for line in out[2:]] == list(POLICIES)
+
+
+def test_route_generates_and_saves_a_trace(tmp_path, capsys):
+    saved = tmp_path / "gen.jsonl"
+    assert route(["--generate", "50", "--tenants", "4", "--replicas", "2", "--policy", "least_load", "--json",
+                  "--save-trace", str(saved)]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 50 and len(saved.read_text().splitlines()) == 50
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--slots-per-replica", "16"], "needs KV for"),
+    ([], None),
+])
+def test_route_refuses_bad_fleets(trace_file, capsys, args, message):
+    if message is None:   # neither --trace nor --generate
+        assert route(["--replicas", "2"]) == 2
+        assert "exactly one of --trace" in capsys.readouterr().err
+        return
+    assert route(["--trace", str(trace_file), "--policy", "random", *args]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "route: error:" in captured.err
+
+
+def test_route_bad_trace_stops_before_simulating(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "arrival": 0, "prompt_ids": [1, 2], "max_new_tokens": 4}\n{"id": "b"}\n')
+    assert route(["--trace", str(path), "--policy", "all"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "bad.jsonl:2: missing field 'arrival'" in captured.err
+
+
+def test_route_unknown_policy_is_named(trace_file, capsys):
+    with pytest.raises(SystemExit):
+        route(["--trace", str(trace_file), "--policy", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_route_is_registered():
+    from kvlearn.__main__ import COMMANDS
+    assert COMMANDS["route"][0] == "kvlearn.routing.cli"
