@@ -99,3 +99,43 @@ def test_the_guide_has_measured_times_for_exactly_the_chapters_there_are():
     rows = [line.split(" | ")[0].lstrip("| ") for line in block.splitlines() if line.startswith("| 0")]
     assert rows == [p.stem for p in course.chapter_notebooks()], "re-run `make course GUIDE=docs/instructor.md`"
     assert f"| {len(rows)}/{len(rows)} PASS |" in block  # the recorded run passed every chapter
+
+
+def test_a_cell_timeout_fails_that_chapter_and_the_course_goes_on(tmp_path, capsys):
+    write(tmp_path, "00_slow.ipynb", "print('started')", "import time; time.sleep(60)", "print('never')")
+    write(tmp_path, "01_after.ipynb", "print(2)")
+    assert main(["course", "--notebooks", str(tmp_path), "--timeout", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL cell 2: timeout" in out and "01_after" in out and "1/2 PASS" in out
+    slow, after = course.run_course(course.chapter_notebooks(tmp_path), timeout=2, progress=False)
+    assert (slow.ran, slow.passed) == (1, False) and "timeout" in slow.error and after.passed
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_timeout_below_one_second_is_a_usage_error(tmp_path, timeout, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["course", "--notebooks", str(tmp_path), "--timeout", timeout])
+    assert exit.value.code == 2 and "--timeout must be at least 1" in capsys.readouterr().err
+
+
+def refuse_to_run(*args, **kwargs):
+    raise AssertionError("the course ran before its arguments were checked")
+
+
+@pytest.mark.parametrize("bad", ["guide without markers", "missing guide", "missing folder", "folder is a file"])
+def test_bad_arguments_are_one_line_and_exit_2_before_any_chapter_runs(toy_course, bad, monkeypatch, capsys):
+    monkeypatch.setattr(course, "run_course", refuse_to_run)
+    args = ["course", "--notebooks", str(toy_course)]
+    if bad == "guide without markers":
+        (toy_course / "guide.md").write_text("# Guide\nno markers here\n")
+        args += ["--guide", str(toy_course / "guide.md")]
+    elif bad == "missing guide":
+        args += ["--guide", str(toy_course / "nope.md")]
+    elif bad == "missing folder":
+        args[2] = str(toy_course / "nope")
+    else:
+        args[2] = str(toy_course / "00_first.ipynb")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("course-times" if bad == "guide without markers" else "nope" if "missing" in bad else "not a folder") in err

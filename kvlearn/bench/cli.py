@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvlearn.bench.demo import device_arg
 from kvlearn.bench.peers import (HF_SYSTEMS, KVLEARN_SYSTEMS, run_hf_continuous_batching, run_hf_generate,
                                  run_kvlearn, run_vllm, warm_up)
 from kvlearn.bench.report import check_bars, compare_tokens, table, write_outputs
@@ -30,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="fcfs", choices=("fcfs", "lpm"))
     p.add_argument("--vllm-python", default=None, help="a Python with vLLM's CPU build, to add vLLM as a peer")
     p.add_argument("--out", default=None, help="folder for the JSON and the plot (default: the nearest figures/)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, type=device_arg, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 

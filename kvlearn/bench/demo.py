@@ -6,9 +6,19 @@ import argparse
 import time
 from pathlib import Path
 
+from kvlearn.model import resolve_device
 from kvlearn.serving.workloads import LIBRARY_QUESTIONS
 
 PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def device_arg(text: str) -> str:
+    """argparse `type` of --device (demo and bench): a device kvlearn cannot use is a usage error."""
+    try:
+        resolve_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def chapter0(model, tokenizer, max_new_tokens: int) -> None:
@@ -69,7 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--requests", type=int, default=8,
                         help=f"requests served by the engine (1-{len(LIBRARY_QUESTIONS)})")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", default=None, type=device_arg, help="cpu or cuda (default: cuda when available)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")

@@ -3,8 +3,9 @@
 Every chapter notebook is executed top to bottom in its own fresh kernel, in order, with a progress
 bar over all code cells. Nothing is written back to the notebooks. The summary gives, per chapter,
 the wall time, the cells run, the exercises the checkers accepted, the slowest cell, and PASS or
-FAIL (FAIL names the cell and the error; the next chapter still runs). `--guide FILE` writes the
-same table, as markdown, between the course-times markers of the instructor guide.
+FAIL (FAIL names the cell and the error, or the timeout; the next chapter still runs). `--guide FILE`
+writes the same table, as markdown, between the course-times markers of the instructor guide; every
+argument is checked before the first kernel starts.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"  # kvlearn/workshop/ -> the repository
 GUIDE_MARKERS = ("<!-- course-times: begin -->", "<!-- course-times: end -->")
 
 
@@ -34,7 +36,7 @@ class ChapterRun:
     exercises: int = 0          # cells whose checker printed a verdict
     solved: int = 0             # ... and the verdict was OK
     slowest: tuple = (0.0, 0)   # (seconds, code cell number)
-    error: str = ""             # "cell N: ErrorName: message" when a cell raised
+    error: str = ""             # "cell N: ErrorName: message" when a cell raised or timed out
     cell_seconds: list = field(default_factory=list)
 
     @property
@@ -43,6 +45,9 @@ class ChapterRun:
 
 
 def chapter_notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
+    if not Path(folder).is_dir():
+        raise (NotADirectoryError if Path(folder).exists() else FileNotFoundError)(
+            f"--notebooks {folder} is not a folder: pass the folder that holds the NN_name.ipynb chapters")
     paths = sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
     if not paths:
         raise FileNotFoundError(f"no chapter notebooks (NN_name.ipynb) in {folder}: pass --notebooks FOLDER")
@@ -51,10 +56,11 @@ def chapter_notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
 
 def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None) -> ChapterRun:
     """Execute one notebook in a fresh kernel, started in the notebook's folder; never raises for
-    a failing cell (the run records it and stops that chapter)."""
+    a failing cell, a cell that runs over `timeout` seconds or a dead kernel (the run records it and
+    stops that chapter)."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, DeadKernelError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
@@ -70,6 +76,10 @@ def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None) -> Chapte
                 client.execute_cell(cell, index)
             except CellExecutionError as err:
                 run.error = f"cell {number}: {err.ename}: {err.evalue}"
+                break
+            except CellTimeoutError:
+                run.error = f"cell {number}: timeout: still running after {timeout} s (raise --timeout)"
+                client.shutdown_kernel = "immediate"  # the kernel is busy: a graceful stop would wait
                 break
             except DeadKernelError:
                 run.error = f"cell {number}: the kernel died (out of memory? `make check` tells)"
@@ -123,13 +133,20 @@ def table(runs: list[ChapterRun], markdown: bool = False) -> str:
 def write_guide(guide: Path, runs: list[ChapterRun]) -> None:
     """Replace the table between the guide's course-times markers with this run's."""
     begin, end = GUIDE_MARKERS
-    text = guide.read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{guide} has no `{begin}` ... `{end}` block to write the timings into")
+    text = guide_text(guide)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     block = (f"{begin}\nMeasured {datetime.date.today()} on {machine} with `make course` "
              f"(model already converted):\n\n{table(runs, markdown=True)}\n{end}")
     guide.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S))
+
+
+def guide_text(guide: Path) -> str:
+    """The guide's text; ValueError when it lacks the course-times markers (checked before a run)."""
+    begin, end = GUIDE_MARKERS
+    text = Path(guide).read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{guide} has no `{begin}` ... `{end}` block to write the timings into")
+    return text
 
 
 def main(argv=None) -> int:
@@ -138,8 +155,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may take (default 600)")
     parser.add_argument("--guide", type=Path, help="also write the table into this guide (docs/instructor.md)")
     args = parser.parse_args(argv)
+    if args.timeout < 1:
+        parser.error(f"--timeout must be at least 1 second, got {args.timeout}")
+    try:  # every input is checked before the first kernel starts
+        paths = chapter_notebooks(args.notebooks)
+        if args.guide:
+            guide_text(args.guide)
+    except (OSError, ValueError) as err:
+        print(f"python -m kvlearn course: {err}", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    runs = run_course(chapter_notebooks(args.notebooks), args.timeout)
+    runs = run_course(paths, args.timeout)
     print("\n" + table(runs))
     if args.guide:
         write_guide(args.guide, runs)
