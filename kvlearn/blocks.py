@@ -216,10 +216,13 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
-    def num_cached_prefix(self, seq: Sequence) -> int:
-        """Tokens of `seq` that `allocate` would take from the cache now; changes no state or stats."""
-        self._check_seq(seq)
-        return len(self._match(seq.token_ids)) * self.block_size
+    def num_cached_prefix(self, seq) -> int:
+        """Tokens of `seq` (a Sequence, or a list of token ids) that `allocate` would take from the
+        cache now; changes no state or stats."""
+        if isinstance(seq, Sequence):
+            self._check_seq(seq)
+            seq = seq.token_ids
+        return len(self._match(list(seq))) * self.block_size
 
     def _blocks_needed(self, seq: Sequence, hit: list[int]) -> int:
         # A hit on a free (cached) block still takes it off the free list; only hits on blocks

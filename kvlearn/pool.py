@@ -181,6 +181,7 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int64, device=self.device)
         self.lengths = [0] * max_requests
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._live = [False] * max_requests
 
     @property
     def max_context_len(self) -> int:
@@ -194,7 +195,9 @@ class ReqToTokenPool:
         """A free row for a new request (its length starts at 0)."""
         if not self._free_rows:
             raise KVCapacityError(f"All {len(self.lengths)} request rows are in use: free a finished request first.")
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self._live[row] = True
+        return row
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record that tokens start .. start+len(slots)-1 of request `row` live in `slots`; the row's
@@ -219,11 +222,12 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._check_live(row)
         self.lengths[row] = 0
+        self._live[row] = False
         self._free_rows.append(row)
 
     def _check_live(self, row: int) -> None:
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.lengths) \
-                or row in self._free_rows:
+                or not self._live[row]:
             raise ValueError(f"Row {row!r} is not a live request row: use a row returned by alloc() "
                              "and not yet freed.")
 

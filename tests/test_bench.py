@@ -8,7 +8,7 @@ from kvlearn.bench import cli as bench, demo
 from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import check_bars, compare_tokens, table
 from kvlearn.serving.simulate import simulate
-from kvlearn.serving.workloads import make_workload
+from kvlearn.serving.workloads import make_workload, unique_token_floor
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,12 @@ def test_simulate_counts_what_each_cache_computes(shared):
         assert stats["cached_tokens"] + stats["computed_prefill_tokens"] == shared.num_prompt_tokens
         assert stats["output_tokens"] == 4 * shared.num_requests and stats["preemptions"] == 0
     assert radix["peak_slots"] < blocks["peak_slots"] < none["peak_slots"]
-    # a plain list of prompts works too, and a tight pool forces recomputation
+    # a plain list of prompts works too; in a pool of 330 slots the four requests (about 320 tokens
+    # each, sharing the system prompt) all fit at once, but only by evicting finished ones' tails
     tight = simulate(shared.prompt_lists()[:4], "radix", max_new_tokens=4, num_slots=330)
-    assert tight["preemptions"] > 0 or tight["evicted_tokens"] > 0
+    assert tight["peak_slots"] == 330 and tight["evicted_tokens"] > 0 and tight["preemptions"] == 0
+    # what was evicted (finished requests' own tails) was never needed again: still the floor
+    assert tight["computed_prefill_tokens"] == unique_token_floor(shared.prompt_lists()[:4])
 
 
 def _result(system, outputs, wall, computed=None):
@@ -97,8 +100,13 @@ def test_bad_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
     assert exit_info.value.code == 2
-    with pytest.raises(SystemExit):
-        demo.main(["--requests", "0"])
+
+
+@pytest.mark.parametrize("argv", [["--requests", "0"], ["--max-new-tokens", "0"]])
+def test_bad_demo_arguments_exit_with_usage(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(argv)
+    assert exit_info.value.code == 2
 
 
 def test_exercise_checkers_accept_right_and_refuse_wrong_answers(capsys):

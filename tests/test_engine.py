@@ -12,7 +12,8 @@ from kvlearn.serving.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
-from kvlearn.serving.scheduler import SCHEDULES, Request, Scheduler
+from kvlearn.serving.request import Request
+from kvlearn.serving.scheduler import SCHEDULES, Scheduler
 from kvlearn.serving.workloads import make_workload, unique_token_floor
 
 # --- a stand-in model that proves the KV it reads is the right one --------------------------------
@@ -65,7 +66,7 @@ def run_scheduler(prompts, cache="radix", num_slots=4096, page_size=1, max_new_t
     kv = make_kv_manager(cache, pool)
     scheduler = Scheduler(kv, max_batch_tokens, schedule, (eos,), in_batch_threshold=in_batch_threshold)
     forward = RecordingForward(num_slots, eos)
-    requests = [Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+    requests = [Request(i, p, max_new_tokens, page_size) for i, p in enumerate(prompts)]
     for req in requests:
         scheduler.add(req)
     reports = []
@@ -79,19 +80,17 @@ def run_scheduler(prompts, cache="radix", num_slots=4096, page_size=1, max_new_t
 
 
 def assert_all_free_after_evict(scheduler, pool):
+    """Every slot is the cache's or free, and free once the cache is evicted, in every mode: one
+    allocator, the pool's, owns them all."""
     kv = scheduler.kv
+    assert pool.num_free + kv.evictable_slots == pool.num_slots
+    kv.evict_all()
+    assert pool.num_free == pool.num_slots and kv.rows.num_free == len(kv.rows.lengths)
     if kv.name == "blocks":
-        assert kv.manager.num_free_blocks == kv.manager.num_blocks
-        assert kv.free_slots + kv.evictable_slots == pool.num_slots
-        kv.evict_all()
-        assert kv.free_slots == pool.num_slots and not kv.manager.hash_to_block_id
-    else:
-        assert pool.num_free + kv.evictable_slots == pool.num_slots
-        kv.evict_all()
-        assert pool.num_free == pool.num_slots
-        if kv.name == "radix":
-            kv.tree.check_invariants()
-            assert kv.tree.total_size == 0
+        assert not kv.manager.hash_to_block_id and kv.manager.num_free_blocks == kv.manager.num_blocks
+    if kv.name == "radix":
+        kv.tree.check_invariants()
+        assert kv.tree.total_size == 0
 
 
 @st.composite
@@ -333,7 +332,7 @@ def test_bad_input_is_rejected_and_the_engine_still_works(model, tokenizer):
         (ValueError, "Empty prompt", lambda: engine.generate([ok, []])),
         (ValueError, "Empty prompt", lambda: engine.generate([""])),
         (ValueError, "outside the vocabulary", lambda: engine.generate([ok, [1, model.config.vocab_size]])),
-        (ValueError, "outside the vocabulary", lambda: engine.generate([[-1, 2]])),
+        (ValueError, ">= 0", lambda: engine.generate([[-1, 2]])),
         (TypeError, "must be ints", lambda: engine.generate([[1.0, 2]])),
         (ValueError, "max_new_tokens", lambda: engine.generate([ok], max_new_tokens=0)),
         (KVCapacityError, "whole pool", lambda: engine.generate([ok, list(range(1, 70))], max_new_tokens=2)),

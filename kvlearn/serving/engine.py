@@ -12,20 +12,29 @@ The engine borrows the model and leaves it as it found it.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from kvlearn.errors import KVCapacityError, check_positive_int
-from kvlearn.model import chat_ids
+from kvlearn.errors import KVCapacityError, check_choice, check_positive_int
+from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
-from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
-from kvlearn.serving.scheduler import SCHEDULES, Request, Scheduler, StepReport
+from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.serving.request import Request
+from kvlearn.serving.scheduler import SCHEDULES, Scheduler, StepReport
 
 DEFAULT_NUM_SLOTS = 8192        # about 377 MB of float32 KV for SmolLM2-135M
-DEFAULT_BLOCK_SIZE = 16         # "blocks" mode's tokens per block when page_size is not given
+
+
+def slots_without_sharing(prompts, max_new_tokens: int, page_size: int = 16) -> int:
+    """A pool that holds every prompt and its output in whole pages without any sharing: nobody
+    is short of memory."""
+    return sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts) * page_size
 
 
 @dataclass
@@ -58,36 +67,37 @@ class Engine:
     num_slots: KV pool size in tokens (default DEFAULT_NUM_SLOTS). page_size: tokens per page of
     the pool; in "blocks" mode the block size (default 16), else 1. max_batch_tokens: tokens
     computed per step at most (decodes count one each; a prompt alone may exceed it).
-    schedule: "fcfs" or "lpm" (longest cached prefix first).
+    schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
+    KV at once (rows of the ReqToTokenPool).
+
+    One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
+    `generate` while another is inside one gets a RuntimeError.
 
     `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
     requests queued by `add_request` are still running).
     """
 
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
-                 page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs"):
-        if cache not in CACHE_MODES:
-            raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
-        if page_size is None:
-            page_size = DEFAULT_BLOCK_SIZE if cache == "blocks" else 1
-        check_positive_int("page_size", page_size)
-        num_slots = check_positive_int("num_slots", DEFAULT_NUM_SLOTS if num_slots is None else num_slots)
-        if num_slots % page_size:
-            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size}): "
-                             f"use {max(num_slots // page_size, 1) * page_size}.")
+                 page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
+                 max_running: int = DEFAULT_MAX_REQUESTS):
+        check_choice("cache", cache, CACHE_MODES)
+        check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
-        self.model, self.tokenizer, self.cache_mode = model, tokenizer, cache
-        self.vocab_size = model.config.vocab_size
-        eos = model.generation_config.eos_token_id
-        eos = tokenizer.eos_token_id if eos is None else eos
-        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        check_positive_int("max_running", max_running)
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
+        page_size = default_page_size(cache) if page_size is None else page_size
+        num_slots = DEFAULT_NUM_SLOTS if num_slots is None else num_slots
+        # The pool checks the sizes (num_slots a multiple of page_size) before anything is built.
         self.pool = KVPool.for_model(model.config, num_slots=num_slots, dtype=model.dtype, device=model.device,
                                      page_size=page_size)
+        self.model, self.tokenizer, self.cache_mode = model, tokenizer, cache
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.runner = ModelRunner(model, self.pool)
-        self.kv = make_kv_manager(cache, self.pool)
+        self.kv = make_kv_manager(cache, self.pool, max_running)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids)
+        self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.reset_stats()
 
@@ -103,30 +113,30 @@ class Engine:
                 f"waiting={len(s.waiting)}, running={len(s.running)})")
 
     # --- requests -------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> list[int]:
-        """Token ids of a prompt: strings go through the chat template, id lists are checked."""
+    def _request(self, prompt, max_new_tokens: int) -> Request:
+        """A request for a prompt: strings go through the chat template, then every prompt, text or
+        ids, is checked the same way (ints, by `Sequence`; inside the model's vocabulary, here)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
-            return chat_ids(self.tokenizer, prompt)
-        if isinstance(prompt, torch.Tensor):
+            prompt = chat_ids(self.tokenizer, prompt)
+        elif isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
+        elif not isinstance(prompt, (list, tuple)):
             raise TypeError(f"A prompt is a string or a list of token ids, got {type(prompt).__name__}.")
         if not prompt:
             raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"Token ids must be ints, got {type(t).__name__} {t!r}.")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"Token id {t} is outside the vocabulary [0, {self.vocab_size}): "
-                                 "tokenize with this model's tokenizer.")
-        return list(prompt)
+        req = Request(-1, prompt, max_new_tokens, self.pool.page_size)
+        if max(req.token_ids) >= self.vocab_size:
+            raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary [0, {self.vocab_size}) of the model: "
+                             "tokenize with this model's tokenizer (tokens added to the tokenizer after "
+                             "loading have no embedding in the model).")
+        return req
 
     def _make_requests(self, prompts, max_new_tokens) -> list[Request]:
         """Check every prompt before any is queued, so bad input leaves the engine unchanged."""
         check_positive_int("max_new_tokens", max_new_tokens)
-        requests = [Request(-1, self._prompt_ids(p), max_new_tokens) for p in prompts]
+        requests = [self._request(p, max_new_tokens) for p in prompts]
         for i, req in enumerate(requests):
             if not self.kv.fits(req):
                 raise KVCapacityError(
@@ -143,15 +153,30 @@ class Engine:
     def add_request(self, prompt, max_new_tokens: int = 32) -> Request:
         """Queue one prompt (text or token ids); `step()` runs it."""
         requests = self._make_requests([prompt], max_new_tokens)
-        self._queue(requests)
+        with self._one_caller():
+            self._queue(requests)
         return requests[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- running ----------------------------------------------------------------------------------
+    @contextmanager
+    def _one_caller(self):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("This Engine is already running a step or generate in another thread: an "
+                               "engine serves one caller at a time (use one engine per thread).")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     def step(self) -> StepReport:
         """One scheduling step and one forward pass; returns what happened."""
+        with self._one_caller():
+            return self._step()
+
+    def _step(self) -> StepReport:
         if not self.scheduler.has_unfinished():
             raise RuntimeError("Nothing to run: add a request first (add_request or generate).")
         start = time.perf_counter()
@@ -159,7 +184,8 @@ class Engine:
         if not batch:
             raise RuntimeError(f"The scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
                                "requests: this is a kvlearn bug, please report it.")
-        logits = self.runner.forward(batch.input_ids, batch.kv_indices)
+        # The scheduler built valid input (checked prompts, allocated slots): no per-step re-check.
+        logits = self.runner.run(batch.input_ids, batch.kv_indices)
         self.scheduler.postprocess(batch, logits.argmax(-1).tolist())
         self._wall_time += time.perf_counter() - start
         return self.scheduler.report
@@ -168,22 +194,28 @@ class Engine:
         """Greedy-generate for every prompt (text or token ids); outputs in prompt order."""
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or token-id lists).")
-        requests = self._make_requests(prompts, max_new_tokens)
-        if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
-            self.reset_stats()
-        self._queue(requests)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
-                       leave=False)
-        while any(r.status != "finished" for r in requests):
-            self.step()
-            if bar is not None:
-                bar.n = sum(len(r.output_ids) for r in requests)
-                bar.refresh()
-        if bar is not None:
-            bar.close()
+        with self._one_caller():
+            requests = self._make_requests(prompts, max_new_tokens)
+            if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
+                self.reset_stats()
+            self._queue(requests)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
+                           leave=False)
+            try:
+                while any(r.status != "finished" for r in requests):
+                    self._step()
+                    if bar is not None:
+                        bar.n = sum(len(r.output_ids) for r in requests)
+                        bar.refresh()
+            except BaseException:  # an error or Ctrl-C: this call's requests leave, the engine stays usable
+                self.scheduler.abort(requests)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         return [GenerationOutput(r.rid, r.token_ids[:r.num_prompt_tokens], r.output_ids,
                                  self.tokenizer.decode(r.output_ids, skip_special_tokens=True))
                 for r in requests]
@@ -201,6 +233,6 @@ class Engine:
 
     def evict_all(self) -> int:
         """Drop every cached token no request is using (tokens freed); with nothing running,
-        every slot is free afterwards (`kv.free_slots == pool.num_slots`; in "blocks" mode the
-        block manager keeps owning the pool's slots, so `pool.num_free` stays 0)."""
-        return self.kv.evict_all()
+        every slot of the pool is free afterwards (`pool.num_free == pool.num_slots`), in every mode."""
+        with self._one_caller():
+            return self.kv.evict_all()

@@ -12,9 +12,10 @@ A request that shares a not-yet-computed prefix with one admitted in the same st
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
 once (SGLang's in-batch prefix check).
 
-Where each request's KV lives is the business of a KV manager (`kvlearn.serving.cache_modes`): the
-scheduler only asks it to admit, grow and release requests, and has it check slot conservation
-after every step.
+Where each request's KV lives is the business of a KV manager (the contract in
+`kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
+has it check slot conservation after every step. The scheduler owns each request's `status` and
+`num_computed`; the KV manager owns `req.kv`.
 """
 
 from __future__ import annotations
@@ -24,44 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlearn.errors import check_positive_int
+from kvlearn.errors import check_choice, check_positive_int
 from kvlearn.radix import RadixCache
+from kvlearn.serving.kv_manager import KVManager
+from kvlearn.serving.request import Request
 
 SCHEDULES = ("fcfs", "lpm")
 # lpm sorts the queue by a prefix match per request; past this length it costs more than it
 # saves, and the scheduler falls back to fcfs (SGLang does the same).
 LPM_MAX_QUEUE = 128
-
-
-class Request:
-    """One generation request: its tokens so far and where it is in its life.
-
-    `token_ids` is the prompt followed by the generated tokens. The KV of the first
-    `num_computed` tokens is in the slots the request holds; the last generated token never has
-    KV until the next step computes it. `status` is "waiting", "running" or "finished".
-    """
-
-    def __init__(self, rid: int, prompt_ids: list[int], max_new_tokens: int):
-        self.rid = rid
-        self.token_ids = list(prompt_ids)
-        self.num_prompt_tokens = len(prompt_ids)
-        self.max_new_tokens = max_new_tokens
-        self.status = "waiting"
-        self.num_computed = 0
-        self.kv_state = None  # the KV manager's handle: slots and a tree lock, or a Sequence
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def max_tokens(self) -> int:
-        """Most tokens this request ever holds KV for: its last token never needs any."""
-        return self.num_prompt_tokens + self.max_new_tokens - 1
-
-    def __repr__(self) -> str:
-        return (f"Request(r{self.rid}, {self.status}, {self.num_prompt_tokens} prompt + "
-                f"{len(self.output_ids)} output tokens, {self.num_computed} with KV)")
 
 
 # --- the scheduler ----------------------------------------------------------------------------
@@ -123,10 +95,9 @@ class Scheduler:
     preemption; peak_slots is the most slots live requests used at once, shared slots once.
     """
 
-    def __init__(self, kv, max_batch_tokens: int = 2048, schedule: str = "fcfs",
+    def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
                  eos_token_ids=(), in_batch_threshold: int = 1):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         self.kv, self.max_batch_tokens, self.schedule_policy = kv, max_batch_tokens, schedule
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -194,12 +165,13 @@ class Scheduler:
         cache, if any) and goes first in line to be prefilled again, outputs included."""
         self.kv.release(req)
         self.running.remove(req)
-        req.status = "waiting"
+        req.status, req.num_computed = "waiting", 0
         self.waiting.appendleft(req)
         self.report.preempted.append(req.rid)
 
     def _queue_order(self):
-        """Waiting requests with their cached prefix length, in the order to try admitting them."""
+        """Waiting requests with their cached prefix length, in the order to try admitting them.
+        `cached_len` is a pure query, so ordering the queue changes no cache."""
         if self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             pairs = [(req, self.kv.cached_len(req.token_ids)) for req in self.waiting]
             pairs.sort(key=lambda pair: -pair[1])  # stable: ties stay first come, first served
@@ -214,20 +186,21 @@ class Scheduler:
         # The prompts admitted this step, in a tree of their own (values unused): a request that
         # shares more with them than with the cache would compute that shared part twice.
         in_batch = RadixCache() if self.kv.caches_prefixes and self.in_batch_threshold else None
+        page = self.kv.page_size
         for req, cached in self._queue_order():
             extend = len(req.token_ids) - cached
             if extend > budget and (admitted or self.running):
                 break  # too big for this step; alone (nothing else to run) it may exceed the budget
             if in_batch is not None:
-                shared = len(in_batch.match_prefix(req.token_ids[:-1])) // self.kv.page_size * self.kv.page_size
+                shared = in_batch.match_len(req.token_ids[:-1]) // page * page
                 if shared - cached >= self.in_batch_threshold:
                     self.report.deferred.append(req.rid)
                     continue
-            if not self.kv.admit(req):
+            cached = self.kv.admit(req)  # what admission actually found
+            if cached is None:
                 break  # the pool is full; running requests free slots as they finish
-            cached = req.num_computed  # what admission actually found
             self.waiting.remove(req)
-            req.status = "running"
+            req.status, req.num_computed = "running", cached
             self.running.append(req)
             admitted.append(req)
             budget -= len(req.token_ids) - cached
@@ -236,20 +209,32 @@ class Scheduler:
                 in_batch.insert(req.token_ids, torch.zeros(len(req.token_ids), dtype=torch.int64))
         return admitted
 
+    def abort(self, requests: list[Request]) -> None:
+        """Take these requests out (a failed or interrupted `generate`): running ones give back
+        their KV as a preemption would, waiting ones leave the queue; all end "finished"."""
+        for req in requests:
+            if req.status == "running":
+                self.kv.release(req)
+                self.running.remove(req)
+            elif req.status == "waiting" and req in self.waiting:
+                self.waiting.remove(req)
+            req.status = "finished"
+
     # --- after the forward ----------------------------------------------------------------------
     def postprocess(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
-        """Record each request's sampled token; release and return the requests that finished."""
+        """Record each request's sampled token; release and return the requests that finished.
+        A request leaves `running` as soon as its KV is released."""
         finished = []
         self.stats["output_tokens"] += len(batch)
         for i, (req, token) in enumerate(zip(batch.requests, next_tokens)):
+            req.num_computed = len(req.token_ids)
             self.kv.after_forward(req, prefilled=i < batch.num_prefills)
             req.token_ids.append(token)
-            if token in self.eos_token_ids or len(req.token_ids) - req.num_prompt_tokens >= req.max_new_tokens:
+            if token in self.eos_token_ids or req.done:
                 self.kv.release(req)
+                self.running.remove(req)
                 req.status = "finished"
                 finished.append(req)
-        if finished:
-            self.running = [r for r in self.running if r.status == "running"]
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)
         return finished
