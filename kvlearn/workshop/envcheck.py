@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements.txt"
+REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements.txt"  # kvlearn/workshop/ -> the repository
 SETUP_FIX = "run `make setup` in the kvlearn folder (or: pip install -r requirements.txt)"
 MIN_MEMORY_GIB = 2.0   # a notebook kernel peaks at 1.1 GB (chapters 5 and 6, measured); Jupyter needs some too
 MIN_DISK_GIB = 1.0     # the converted model takes 0.5 GiB
@@ -107,12 +107,16 @@ def model_wheel() -> Check:
 
 def converted_model() -> Check:
     try:
-        from kvlearn.model import cache_dir
+        from kvlearn.model import cache_dir, cache_problem
     except ImportError as err:
         return Check("FAIL", "converted model", f"cannot check: {err}", SETUP_FIX)
     folder = cache_dir()
-    if (folder / "config.json").is_file():
-        return Check("OK", "converted model", f"{folder} (loads in ~2 s)")
+    problem = cache_problem(folder)
+    if problem is None:
+        return Check("OK", "converted model", f"{folder} (matches its integrity record)")
+    if folder.is_dir():
+        return Check("NOTE", "converted model", f"{folder} is damaged ({problem}): the next load_model() "
+                     "rebuilds it in ~15 s")
     return Check("NOTE", "converted model", f"not made yet: the first load_model() makes it in ~15 s "
                  f"(`make demo` does), into {folder}")
 
