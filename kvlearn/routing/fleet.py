@@ -127,6 +127,7 @@ class FleetResult:
     wall_s: float
     per_replica: list[dict] = field(default_factory=list)
     router: dict = field(default_factory=dict)
+    routes: dict = field(default_factory=dict)    # trace id -> replica it was sent to
     outputs: dict = field(default_factory=dict)   # trace id -> generated token ids (when kept)
 
     SUMMARY = ("policy", "replicas", "requests", "prompt_tokens", "computed_prefill_tokens", "unique_token_floor",
@@ -200,7 +201,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     running = [False] * n
     steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
     owner: dict[int, tuple[int, TraceRequest]] = {}   # id(Request) -> (replica, trace request)
-    ttft, outputs, done, seq = [], {}, 0, 0
+    ttft, routes, outputs, done, seq = [], {}, {}, 0, 0
     first_arrival = trace[0].arrival
     bar = None
     if progress:
@@ -237,6 +238,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
             now = treq.arrival
             i = policy.choose(treq, view)
             policy.routed(treq, i)
+            routes[treq.id] = i
             req = replicas[i].submit(next_arrival - 1, treq)
             owner[id(req)] = (i, treq)
             routed[i] += 1
@@ -296,7 +298,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
         ttft_p50_s=round(_percentile(ttft, 50), 4), ttft_p99_s=round(_percentile(ttft, 99), 4),
         throughput_tok_s=round(output_tokens / makespan, 1) if makespan else 0.0, makespan_s=round(makespan, 3),
         output_tokens=output_tokens, preemptions=total["preemptions"], wall_s=wall, per_replica=per_replica,
-        router=router, outputs=outputs)
+        router=router, routes=routes, outputs=outputs)
 
 
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",

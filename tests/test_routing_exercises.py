@@ -1,0 +1,52 @@
+"""Chapter 7 exercises: the checkers accept the worked solutions, answer the student stubs and
+wrong answers with "Not yet" and a hint, and never raise."""
+
+from pathlib import Path
+
+import nbformat
+
+from kvlearn.exercises import NOT_YET, OK, ch07
+from kvlearn.routing.policies import LeastLoad, Policy, RoundRobin
+from kvlearn.workshop.student import student_copy
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "07_routing.ipynb"
+
+
+class Sticky(Policy):
+    def __init__(self, num_replicas):
+        self.home = {}
+
+    def choose(self, req, view):
+        return self.home.get(req.session, view.least_loaded())
+
+    def routed(self, req, replica):
+        self.home.setdefault(req.session, replica)
+
+
+def test_thresholds_checker(capsys):
+    assert ch07.check_thresholds(0.3, 4, 1.5)
+    assert not ch07.check_thresholds(0.3, 10**9, 1.5)     # no balancing: the hot tenant piles up
+    assert not ch07.check_thresholds(0.3, 0, 1.0)         # always balancing: affinity is lost
+    assert not ch07.check_thresholds(..., ..., ...)
+    assert not ch07.check_thresholds(2.0, 4, 1.5)         # out of range: a hint, not a crash
+    out = capsys.readouterr().out
+    assert out.count(OK) == 1 and out.count(NOT_YET) == 4 and "piles up" in out and "cache_threshold" in out
+
+
+def test_policy_checker(capsys):
+    assert ch07.check_policy(Sticky)
+    assert not ch07.check_policy(lambda n: RoundRobin())   # splits sessions
+    assert not ch07.check_policy(lambda n: LeastLoad())
+    assert not ch07.check_policy(lambda n: "not a policy")
+    out = capsys.readouterr().out
+    assert out.count(OK) == 1 and out.count(NOT_YET) == 3 and "split" in out
+
+
+def test_student_stubs_get_not_yet(capsys):
+    student = student_copy(nbformat.read(NOTEBOOK, as_version=4))
+    namespace = {}
+    for cell in student.cells:
+        if cell.cell_type == "code" and "your " in cell.source:
+            exec(cell.source, namespace)
+    out = capsys.readouterr().out
+    assert out.count(NOT_YET) == 2 and OK not in out
