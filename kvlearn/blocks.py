@@ -162,6 +162,13 @@ class BlockManager:
         self.stats.evicted_blocks += len(evicted)
         return len(evicted) * self.block_size
 
+    def _evict_one(self) -> int:
+        """Take the least recently freed cached block for new KV: its hash must stop pointing here."""
+        block_id, _ = self._cached.popitem(last=False)
+        self._forget(self.blocks[block_id])
+        self.stats.evicted_blocks += 1
+        return block_id
+
     def _forget(self, block: Block) -> None:
         """Drop what the block caches: its KV is about to be overwritten or is garbage."""
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
@@ -196,15 +203,18 @@ class BlockManager:
 
     # --- prefix lookup ---------------------------------------------------------------------
 
+    def _max_cached_blocks(self, num_tokens: int) -> int:
+        # The full-hit rule: at least the last token is computed, so the model has logits to
+        # sample from. Dropping the whole last block (not just one token) means the recomputed
+        # KV goes into a private block, never into one that other sequences are reading.
+        return (num_tokens - 1) // self.block_size
+
     def _match(self, token_ids: list[int]) -> list[int]:
         """Block ids of the longest published prefix of these tokens. Reads only; changes nothing."""
         if not self.enable_prefix_caching:
             return []
         hit, h, size = [], None, self.block_size
-        # The full-hit rule: at least the last token is computed, so the model has logits to
-        # sample from. Dropping the whole last block (not just one token) means the recomputed
-        # KV goes into a private block, never into one that other sequences are reading.
-        for i in range((len(token_ids) - 1) // size):
+        for i in range(self._max_cached_blocks(len(token_ids))):
             tokens = token_ids[i * size:(i + 1) * size]
             parent, h = h, self.hash_fn(h, tokens)
             block_id = self.hash_to_block_id.get(h)
@@ -270,11 +280,7 @@ class BlockManager:
         first, then cached blocks, least recently freed first, each forgetting what it cached."""
         fresh = min(n, self.allocator.num_free)
         taken = self.allocator.alloc(fresh).tolist() if fresh else []
-        for _ in range(n - fresh):
-            block_id, _ = self._cached.popitem(last=False)
-            self._forget(self.blocks[block_id])
-            self.stats.evicted_blocks += 1
-            taken.append(block_id)
+        taken += [self._evict_one() for _ in range(n - fresh)]
         for block_id in taken:
             self.blocks[block_id].ref_count = 1
         return taken

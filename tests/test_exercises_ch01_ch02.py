@@ -46,5 +46,6 @@ def test_ch02_cached_tokens():
 def test_ch02_ref_counts_and_reused_block():
     assert ch02.check_ref_counts([2, 2, 1])
     assert not ch02.check_ref_counts([2, 2, 2])
-    assert ch02.check_reused_block(1)
-    assert not ch02.check_reused_block(0)
+    assert ch02.check_reused_block([3, 1, 0])  # the free page first, then X's blocks, freed longest ago
+    assert not ch02.check_reused_block([3, 0, 1])
+    assert not ch02.check_reused_block(3)

@@ -1,4 +1,4 @@
-"""Chapter 2 exercises: how much of a prompt is cached, who holds a block, which freed block goes first."""
+"""Chapter 2 exercises: how much of a prompt is cached, who holds a block, which blocks a new request gets."""
 
 from kvlearn.blocks import BlockManager
 from kvlearn.exercises import attempt, report
@@ -56,11 +56,13 @@ def check_ref_counts(answer) -> bool:
 
 def check_reused_block(answer) -> bool:
     """Exercise 3: BlockManager(4, block_size=2). Request X = [1, 2, 3, 4] runs and finishes, then
-    Y = [5, 6, 7] runs and finishes. Z = [9] arrives. Which block id does Z get?"""
+    Y = [5, 6, 7] runs and finishes. Z = [9, 10, 11, 12, 13] arrives. Which blocks does Z get, in
+    table order?"""
     manager = BlockManager(4, 2)
     _run(manager, [1, 2, 3, 4])
     _run(manager, [5, 6, 7])
-    expected = _run(manager, [9], finish=False).block_table[0]
-    return report(answer == expected, "write down the free list after each step: blocks go to its back "
-                                      "as they are freed (a table is freed last block first) and leave "
-                                      "from its front.")
+    expected = _run(manager, [9, 10, 11, 12, 13], finish=False).block_table
+    ok = isinstance(answer, (list, tuple)) and list(answer) == expected
+    return report(ok, "write down after each step which blocks are free pages and which are cached: a new "
+                      "block is a free page if there is one; only then is a cached block evicted, the least "
+                      "recently freed first (a table is freed from its last block to its first).")
