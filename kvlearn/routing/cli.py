@@ -32,7 +32,8 @@ def _line(cells) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvlearn route", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvlearn route",
+                                description="Simulate a trace on a fleet of engine replicas behind a routing policy.")
     source = p.add_argument_group("trace (one of)")
     source.add_argument("--trace", metavar="FILE.jsonl", help="JSON Lines trace: id, arrival, prompt_ids or prompt, "
                                                               "max_new_tokens, optional session")
@@ -49,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--policy", default="cache_aware", choices=POLICIES + ("all",))
     fleet.add_argument("--slots-per-replica", type=int, default=16384, help="KV slots (tokens) of each replica's pool")
     fleet.add_argument("--cache", default="radix", choices=("radix", "blocks"))
+    fleet.add_argument("--page-size", type=int, help="tokens per page of each pool (default: 1 for radix, 16 for blocks)")
     fleet.add_argument("--max-batch-tokens", type=int, default=2048)
     fleet.add_argument("--time-model", metavar="FILE.json", help="a time model from --calibrate (default: kvlearn's)")
     knobs = p.add_argument_group("cache_aware / exact knobs")
@@ -106,7 +108,7 @@ def _run(args) -> int:
         print(_line((header, width, "") for _, header, width, _ in COLUMNS))
     for name in policies:
         result = simulate_fleet(trace, name, args.replicas, cache=args.cache, slots_per_replica=args.slots_per_replica,
-                                time_model=time_model, max_batch_tokens=args.max_batch_tokens,
+                                page_size=args.page_size, time_model=time_model, max_batch_tokens=args.max_batch_tokens,
                                 progress=not args.json and len(trace) >= 5000, **_policy_options(args, name))
         row = result.summary()
         if args.json:

@@ -39,9 +39,12 @@ class SimReplica:
     """A replica without the model: a real Scheduler and KV manager on a pool of bare slots."""
 
     def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
-                 max_batch_tokens: int = 2048, schedule: str = "fcfs"):
+                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None):
         page_size = default_page_size(cache) if page_size is None else page_size
-        self.kv = make_kv_manager(cache, KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu"))
+        pool = KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu")
+        # max_running: requests that may run at once (rows of the KV manager's request table);
+        # None keeps the engine's default, which real-engine comparisons need
+        self.kv = make_kv_manager(cache, pool) if max_running is None else make_kv_manager(cache, pool, max_running)
         self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, schedule=schedule)
         self.page_size = page_size
         self.answers: dict[int, tuple[int, ...]] = {}   # rid -> recorded answer
@@ -55,6 +58,8 @@ class SimReplica:
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that got a token."""
         batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("The scheduler found nothing to run although requests wait: a kvlearn bug.")
         tokens = []
         for req in batch.requests:
             answer, k = self.answers[req.rid], len(req.token_ids) - req.num_prompt_tokens
@@ -200,7 +205,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     busy_s, routed = [0.0] * n, [0] * n
     running = [False] * n
     steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
-    owner: dict[int, tuple[int, TraceRequest]] = {}   # id(Request) -> (replica, trace request)
+    owner: dict[int, TraceRequest] = {}               # id(Request) -> its trace request
     ttft, routes, outputs, done, seq = [], {}, {}, 0, 0
     first_arrival = trace[0].arrival
     bar = None
@@ -212,13 +217,8 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     def start_step(i: int, now: float) -> None:
         nonlocal seq
         progressed = replicas[i].step()
-        prefill = decode = context = 0
-        for req in progressed:
-            context += len(req.token_ids) - 1
-            if len(req.token_ids) - req.num_prompt_tokens == 1:
-                prefill += 1
-            else:
-                decode += 1
+        context = sum(len(req.token_ids) - 1 for req in progressed)
+        decode = sum(len(req.token_ids) - req.num_prompt_tokens > 1 for req in progressed)
         stats = replicas[i].stats
         computed = stats["computed_prefill_tokens"] - last_computed[i]
         last_computed[i] = stats["computed_prefill_tokens"]
@@ -240,7 +240,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
             policy.routed(treq, i)
             routes[treq.id] = i
             req = replicas[i].submit(next_arrival - 1, treq)
-            owner[id(req)] = (i, treq)
+            owner[id(req)] = treq
             routed[i] += 1
             view.inflight[i] += 1
             view.outstanding[i] += treq.num_prompt_tokens + treq.max_new_tokens
@@ -250,7 +250,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
         now, _, i, progressed = heapq.heappop(steps)
         running[i] = False
         for req in progressed:
-            _, treq = owner[id(req)]
+            treq = owner[id(req)]
             generated = len(req.token_ids) - req.num_prompt_tokens
             view.outstanding[i] -= 1 + (req.num_prompt_tokens if generated == 1 else 0)
             if generated == 1:
@@ -303,10 +303,11 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
 
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",
                    slots_per_replica: int = 16384, page_size: int | None = None, time_model: TimeModel | None = None,
-                   max_batch_tokens: int = 2048, schedule: str = "fcfs", progress: bool = False,
-                   **policy_options) -> FleetResult:
+                   max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int = 64,
+                   progress: bool = False, **policy_options) -> FleetResult:
     """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy.
-    page_size: tokens per page of each replica's pool (default: the cache mode's)."""
+    page_size: tokens per page of each replica's pool (default: the cache mode's). max_running:
+    requests a replica runs at once (each holds a row of max context length: memory grows with it)."""
     from kvlearn.routing.policies import make_policy
 
     check_positive_int("num_replicas", num_replicas, " (replicas in the fleet)")
@@ -315,6 +316,6 @@ def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: 
         raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
     if isinstance(policy, str):
         policy = make_policy(policy, num_replicas, **policy_options)
-    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens=max_batch_tokens, schedule=schedule)
+    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_running)
                 for _ in range(num_replicas)]
     return run_fleet(trace, policy, replicas, time_model, progress=progress)
