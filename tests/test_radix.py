@@ -369,11 +369,18 @@ def eviction_order_solution(cache, num_tokens, repush_parents=True):
 
 
 def relock_solution(cache, key, value, old_node):
-    duplicates = cache.insert(key, value)
-    node = cache.match_prefix(key).last_node
-    cache.lock(node)
+    duplicates, match = cache.insert_prefix(key, value)
+    cache.lock(match.last_node)
     cache.unlock(old_node)
-    return node, duplicates
+    return match.last_node, duplicates
+
+
+def relock_unlock_first(cache, key, value, old_node):
+    """SGLang's order: right in a single-threaded engine, wrong if an eviction can run in between."""
+    duplicates, match = cache.insert_prefix(key, value)
+    cache.unlock(old_node)
+    cache.lock(match.last_node)
+    return match.last_node, duplicates
 
 
 def test_exercise_checkers_accept_right_answers(capsys):
@@ -398,7 +405,16 @@ def test_exercise_checkers_reject_wrong_answers(capsys):
         return cache.match_prefix(key).last_node, duplicates
 
     assert not ch03.check_relock(forgets_to_lock)
-    assert capsys.readouterr().out.count("Not yet") == 4
+    assert not ch03.check_relock(relock_unlock_first)
+    out = capsys.readouterr().out
+    assert out.count("Not yet") == 5 and "Which of lock and unlock must come first" in out
+
+
+def test_unlock_first_is_safe_when_nothing_evicts_in_between(capsys):
+    from kvlearn.exercises.ch03 import _relock_problems
+
+    assert _relock_problems(relock_unlock_first, RadixCache) == []
+    assert _relock_problems(relock_solution, RadixCache) == []
 
 
 def test_a_raising_evict_callback_strands_nothing():

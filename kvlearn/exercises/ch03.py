@@ -71,12 +71,17 @@ def check_eviction_order(fn) -> bool:
     return report(True, "")
 
 
-def check_relock(fn) -> bool:
-    """Exercise 3: `fn(cache, key, value, old_node) -> (node, duplicates)` does what an engine does
-    when a request that held `old_node` locked has computed `key` (slots `value`) and goes on
-    running: insert it, keep the whole of `key` locked through the returned node, release
-    `old_node`, and return how many leading slots of `value` the tree already had (to be freed)."""
-    cache = RadixCache()
+class EagerEvictionCache(RadixCache):
+    """A cache where an eviction runs inside every unlock, as one could between two calls if another
+    thread (or an allocation) shared the cache: whatever is evictable after the unlock is evicted."""
+
+    def unlock(self, node) -> None:
+        super().unlock(node)
+        self.evict(self.evictable_size)
+
+
+def _relock_problems(fn, cache_type) -> list[str]:
+    cache = cache_type()
     cache.insert([1, 2, 3], torch.tensor([0, 1, 2]))
     cache.insert([1, 2, 7, 7], torch.tensor([0, 1, 8, 9]))
     old = cache.match_prefix([1, 2, 3]).last_node
@@ -84,7 +89,7 @@ def check_relock(fn) -> bool:
     key, value = [1, 2, 3, 4, 5], torch.tensor([20, 21, 22, 23, 24])
     answer, error = attempt(fn, cache, key, value, old)
     if error or not (isinstance(answer, tuple) and len(answer) == 2):
-        return report(False, error or f"return a pair (node, duplicates), got {answer!r}.")
+        return [error or f"return a pair (node, duplicates), got {answer!r}"]
     node, duplicates = answer
     problems = []
     if duplicates != 3:
@@ -92,9 +97,24 @@ def check_relock(fn) -> bool:
     if cache.protected_size != len(key) or cache.root.lock_ref != 1:
         problems.append(f"exactly one lock covering all {len(key)} tokens should remain (protected_size is "
                         f"{cache.protected_size}, root lock_ref {cache.root.lock_ref})")
-    if cache.match_prefix(key).last_node is not node:
+        return problems
+    if cache.match_len(key) != len(key) or cache.match_prefix(key).last_node is not node:
         problems.append("the node returned should be where `key` ends in the tree")
-    if cache.match_prefix(key).indices.tolist() != [0, 1, 2, 23, 24]:
+    elif cache.match_prefix(key).indices.tolist() != [0, 1, 2, 23, 24]:
         problems.append("the cached slots should be the tree's old ones followed by your new ones")
-    return report(not problems, "; ".join(problems) + ". Hint: insert, match again, lock the new last "
-                                                      "node, then unlock the old one (in that order).")
+    return problems
+
+
+def check_relock(fn) -> bool:
+    """Exercise 3: `fn(cache, key, value, old_node) -> (node, duplicates)` does what an engine does
+    when a request that held `old_node` locked has computed `key` (slots `value`) and goes on
+    running: insert it, keep the whole of `key` locked through the returned node, release
+    `old_node`, and return how many leading slots of `value` the tree already had (to be freed).
+    Checked on a plain RadixCache, and on one where an eviction runs inside every unlock."""
+    plain = _relock_problems(fn, RadixCache)
+    if plain:
+        return report(False, "; ".join(plain) + ". Hint: insert_prefix returns the duplicates and the node to lock.")
+    eager = _relock_problems(fn, EagerEvictionCache)
+    return report(not eager, "right on a plain cache, but when an eviction can run between two calls, "
+                             "something you still need was evicted (" + "; ".join(eager) + "). Which of "
+                             "lock and unlock must come first for the shared prefix to stay protected?")
