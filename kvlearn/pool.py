@@ -101,8 +101,11 @@ class KVPool:
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V (`[len(slots), num_kv_heads, head_dim]` each) of one layer at `slots`.
         Shapes and slot range are checked before anything is written."""
-        if not 0 <= layer < self.num_layers:
+        check_int("layer", layer)
+        if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}.")
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
+            raise TypeError(f"slots must be a 1-D int64 tensor (as returned by alloc), got {type(slots).__name__}.")
         want = (slots.numel(), self.num_kv_heads, self.head_dim)
         if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"store() needs 1-D slots and K, V of shape [len(slots), num_kv_heads, head_dim]"
@@ -118,8 +121,9 @@ class KVPool:
         self.v[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
-        """Boolean tensor: is each of these (in-range) slots free?"""
-        return self.allocator.is_free(indices.to(self.device) // self.page_size)
+        """Boolean tensor: is each of these slots free? ValueError for a slot outside the pool."""
+        indices = self._as_slots(indices)
+        return self.allocator.is_free(indices // self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns an int64 tensor of slot ids. Raises KVCapacityError (and takes
@@ -142,10 +146,15 @@ class KVPool:
         otherwise ValueError and nothing is freed."""
         self.allocator.free(self._pages_of(indices))
 
-    def _pages_of(self, indices) -> torch.Tensor:
-        """Validate slot ids given to `free` and return the distinct pages they cover."""
+    def _as_slots(self, indices) -> torch.Tensor:
+        """Slot ids (a tensor or a list of ints) as a flat int64 tensor on the pool's device, checked
+        to be integers inside the pool."""
         if not isinstance(indices, torch.Tensor):
-            indices = torch.as_tensor(indices)  # no dtype: floats and bools must reach the check below
+            try:
+                indices = torch.as_tensor(indices)  # no dtype: floats and bools must reach the check below
+            except (TypeError, RuntimeError, ValueError, OverflowError):
+                raise TypeError(f"Slot indices must be a tensor or a list of ints, got {type(indices).__name__} "
+                                f"{indices!r}.") from None
             if indices.numel() == 0:
                 indices = indices.long()
         if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
@@ -154,6 +163,11 @@ class KVPool:
         if indices.numel() and (indices.min() < 0 or indices.max() >= self.num_slots):
             raise ValueError(f"Slot indices must be in [0, {self.num_slots}), got values from "
                              f"{int(indices.min())} to {int(indices.max())}.")
+        return indices
+
+    def _pages_of(self, indices) -> torch.Tensor:
+        """Validate slot ids given to `free` and return the distinct pages they cover."""
+        indices = self._as_slots(indices)
         pages, counts = torch.unique(indices // self.page_size, return_counts=True)
         if (counts != self.page_size).any():
             if self.page_size == 1:

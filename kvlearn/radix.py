@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from kvlearn.device import resolve_device
 from kvlearn.errors import check_int, check_positive_int
 
 
@@ -105,7 +106,7 @@ class RadixCache:
             raise TypeError(f"evict_callback must be callable(value_tensor) or None, got {evict_callback!r}.")
         self.page_size = page_size
         self.evict_callback = evict_callback
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.reset()
 
     def reset(self) -> None:

@@ -15,14 +15,15 @@ import numpy as np
 from kvlearn.errors import check_positive_int
 
 _seq_ids = itertools.count()
+MAX_TOKEN_ID = 2**63 - 1  # ids are stored and hashed as int64
 
 
 def _check_token_id(t, where: str) -> int:
     # bool is an int subclass, but True as a token id is always a mistake.
     if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
         raise TypeError(f"Token ids must be ints; {where} holds {type(t).__name__} {t!r}.")
-    if t < 0:
-        raise ValueError(f"Token ids must be >= 0; {where} holds {t}.")
+    if not 0 <= t <= MAX_TOKEN_ID:
+        raise ValueError(f"Token ids must be >= 0 and < 2**63; {where} holds {t}.")
     return int(t)
 
 
@@ -48,7 +49,7 @@ class Sequence:
             raise TypeError(f"token_ids must be a list of ints (tokenize text first), got {type(token_ids).__name__}.")
         token_ids = list(token_ids)
         # Fast path for the usual list of non-negative Python ints; the slow path says which id is bad.
-        if set(map(type, token_ids)) != {int} or min(token_ids) < 0:
+        if set(map(type, token_ids)) != {int} or min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID:
             token_ids = [_check_token_id(t, f"position {i}") for i, t in enumerate(token_ids)]
         if not token_ids:
             raise ValueError("A sequence needs at least one token id; got an empty list.")
