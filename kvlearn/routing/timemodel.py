@@ -68,6 +68,16 @@ def default_time_model() -> TimeModel:
     return TimeModel.load(DEFAULT_PATH)
 
 
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def _timed(fn, repeats: int) -> float:
     fn()  # warm up
     best = float("inf")
@@ -81,7 +91,7 @@ def _timed(fn, repeats: int) -> float:
 def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
     """Time real forward passes of the model (prefills of several lengths, decode batches of several
     sizes and contexts) and fit the TimeModel by least squares."""
-    import platform
+    import os
 
     import torch
 
@@ -120,5 +130,7 @@ def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
     probe(256, 8, 512)
     coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)[:, None]).solution
     a, b, c, d = (max(float(x), 0.0) for x in coef[:, 0])
-    return TimeModel(a, b, c, d, measured_on=f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                                             f"{torch.get_num_threads()} threads, {model.dtype}, {model.device}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return TimeModel(a, b, c, d, measured_on=f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                                             f"{torch.get_num_threads()} threads, {model.dtype}, {model.device}, "
+                                             f"load average {load:.1f} after calibrating, {time.strftime('%Y-%m-%d')}")
