@@ -1,0 +1,93 @@
+"""Chapter 8: the tiered cache mode, chapter 6's radix mode over a device pool with tiers below.
+
+`TieredRadixKV` is `RadixKV` (kvlearn.serving.cache_modes) with a `TieredRadixCache` as its tree:
+the scheduler sees the same contract. What changes: eviction demotes instead of dropping, and
+admission loads the matched off-device nodes and disk pages back into the request's fresh slots
+before the forward that reads them, so they count as cached, not computed.
+
+Invariant (`check`, after every step): chapter 6's slot conservation on the device, and on the host
+free slots + slots held by tree nodes == host pool size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlearn.errors import check_choice
+from kvlearn.pool import KVPool
+from kvlearn.serving.cache_modes import RadixKV
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.serving.request import Request
+from kvlearn.tiers.disk import DiskStore, check_folder, model_identity
+from kvlearn.tiers.host import host_pool_for
+from kvlearn.tiers.tree import TIER_STATS, WRITE_POLICIES, TieredRadixCache
+
+DISK_PAGE_TOKENS = 16  # tokens per disk file (rounded up to whole device pages)
+
+
+class TieredRadixKV(RadixKV):
+    """Radix mode with a host pool and/or a disk store below the device pool."""
+
+    name = "radix"
+
+    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, host: KVPool | None = None,
+                 disk: DiskStore | None = None, write_policy: str = "write_back"):
+        super().__init__(pool, max_requests)
+        self.tree = TieredRadixCache(pool, host, disk, write_policy)
+
+    @property
+    def tier_stats(self) -> dict:
+        """Cumulative: tokens offloaded and loaded back per tier, and disk entries refused by reason."""
+        stats = dict(self.tree.stats)
+        if self.tree.disk is not None:
+            disk = self.tree.disk.stats
+            stats["disk_pages_written"] = disk["pages_written"]
+            stats["disk_entries_rejected"] = disk["miss_truncated"] + disk["miss_corrupt"] + disk["miss_foreign"]
+        return stats
+
+    def cached_len(self, token_ids: list[int]) -> int:
+        return self.tree.reachable_len(token_ids[:-1])
+
+    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
+        # `prefix` is the match's device part; its slots for the rest come fresh from the pool.
+        # Load what lies below the device into them before any forward reads the row.
+        if super()._admit_after(req, prefix, last_node) is None:
+            return None
+        h = req.kv
+        h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], last_node,
+                                                        self.rows.req_to_token[h.row, :h.num_slots])
+        return h.prefix_len
+
+    def check(self, running: list[Request]) -> None:
+        super().check(running)
+        host = self.tree.host
+        if host is not None:
+            assert host.num_free + self.tree.host_size == host.num_slots, (
+                f"host slot leak: {host.num_free} free + {self.tree.host_size} held != {host.num_slots}")
+
+
+def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str) -> None:
+    """Refuse tier options the engine cannot honour, before anything is built."""
+    check_choice("write_policy", write_policy, WRITE_POLICIES)
+    if (host_slots is not None or disk_dir is not None) and cache != "radix":
+        raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
+                         f"tree), got cache={cache!r}.")
+    if disk_dir is not None:
+        check_folder(disk_dir)
+
+
+def make_tiered_kv(pool: KVPool, model, host_slots: int | None, disk_dir, write_policy: str,
+                   max_requests: int = DEFAULT_MAX_REQUESTS) -> TieredRadixKV:
+    """The tiered radix mode for an engine's pool and model (options checked by check_tier_options)."""
+    host = None if host_slots is None else host_pool_for(pool, host_slots)
+    disk = None
+    if disk_dir is not None:
+        page = -(-DISK_PAGE_TOKENS // pool.page_size) * pool.page_size
+        disk = DiskStore(disk_dir, model_identity(model), pool.dtype,
+                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page)
+    return TieredRadixKV(pool, max_requests, host, disk, write_policy)
+
+
+def tier_counters(kv) -> dict:
+    """The engine's tier stats of a KV manager: cumulative counts, zeros without tiers."""
+    return kv.tier_stats if isinstance(kv, TieredRadixKV) else dict.fromkeys(TIER_STATS, 0)

@@ -1,0 +1,402 @@
+"""Chapter 8: a radix tree whose nodes' KV lives on the device, on the host, or on disk.
+
+Chapter 3's tree forgets an evicted prefix; the next request that needs it computes it again. This
+tree keeps it one level down, as SGLang's HiCache does:
+- device: chapter 4's pool, where attention reads KV;
+- host: a second, larger pool (`kvlearn.tiers.host`). A node the device evicts, with its KV on the
+  host, stays in the tree *off the device*, and a match walks through it;
+- disk: pages keyed by the chained hash of their prefix (`kvlearn.tiers.disk`), found by hash after
+  the tree walk ends, even by a fresh process whose tree is empty.
+
+Write policies: "write_back" copies a node to the host when the device evicts it, and its pages to
+disk when it leaves the host; "write_through" copies every inserted node to the host (and disk) at
+once, so eviction only frees slots.
+
+Invariants (`check_invariants`, on top of chapter 3's):
+- a node is in the tree only while its KV is on the device or the host (or both);
+- a node on the device has every ancestor on the device: along a path the device part comes first,
+  so a match is a device prefix followed by off-device nodes;
+- `value` holds the node's device slots, or its host slots while it is off the device;
+- `evictable_size`, `protected_size` and `total_size` count device tokens, as the pool sees them;
+  chapter 3's counters (`_evictable`, `_protected`) count every node, off-device ones included;
+- host conservation: host free slots + host slots held by nodes == host pool size;
+- the device evicts unlocked nodes none of whose children is on the device, least recently used
+  first: each moves to the host (copied there first if it has no copy), or, if the host cannot take
+  it, leaves the tree with everything below it (written to disk first, if there is a disk);
+- the host evicts, least recently used first, copies of device nodes (the node stays on the
+  device) and unlocked off-device leaves (they leave the tree, written to disk first).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from kvlearn.errors import check_choice, check_int
+from kvlearn.pool import KVPool
+from kvlearn.radix import MatchResult, RadixCache, TreeNode
+from kvlearn.tiers.disk import DiskStore
+from kvlearn.tiers.host import copy_kv
+
+WRITE_POLICIES = ("write_back", "write_through")
+TIER_STATS = ("offloaded_tokens", "loaded_from_host_tokens", "loaded_from_disk_tokens")
+
+
+class TieredRadixCache(RadixCache):
+    """A RadixCache over a device pool with an optional host pool and disk store below it.
+
+    `stats`: offloaded_tokens (tokens copied down to the host or written to disk, each copy
+    counted), loaded_from_host_tokens, loaded_from_disk_tokens (tokens brought back to the device).
+    """
+
+    def __init__(self, pool: KVPool, host: KVPool | None = None, disk: DiskStore | None = None,
+                 write_policy: str = "write_back"):
+        check_choice("write_policy", write_policy, WRITE_POLICIES)
+        if host is not None and host.page_size != pool.page_size:
+            raise ValueError(f"the host pool's page_size ({host.page_size}) must be the device pool's "
+                             f"({pool.page_size}): build it with kvlearn.tiers.host.host_pool_for.")
+        if disk is not None and disk.page_tokens % pool.page_size:
+            raise ValueError(f"a disk page ({disk.page_tokens} tokens) must be whole device pages of "
+                             f"{pool.page_size}: give the DiskStore a multiple of {pool.page_size}.")
+        self.pool, self.host, self.disk, self.write_policy = pool, host, disk, write_policy
+        self.stats = dict.fromkeys(TIER_STATS, 0)
+        super().__init__(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
+
+    def reset(self) -> None:
+        """Drop every node, as chapter 3's reset (the caller resets its pools too)."""
+        super().reset()
+        self._host: dict[int, torch.Tensor] = {}  # node id -> host slots of its copy
+        self._off_device: set[int] = set()        # node ids whose KV is not on the device
+        self._on_disk: set[int] = set()           # node ids whose full disk pages ending inside are on disk
+        self._off_unlocked = self._off_locked = 0  # off-device tokens, by lock state
+        self._host_tokens = 0
+
+    # --- where KV lives -----------------------------------------------------------------------
+    def tiers(self, node: TreeNode) -> tuple[str, ...]:
+        """Where this node's KV is: some of "device", "host", "disk"."""
+        return tuple(name for name, here in (("device", node.id not in self._off_device),
+                                             ("host", node.id in self._host), ("disk", node.id in self._on_disk))
+                     if here)
+
+    @property
+    def evictable_size(self) -> int:
+        """Device tokens in unlocked nodes: what `evict` could free in the pool right now."""
+        return self._evictable - self._off_unlocked
+
+    @property
+    def protected_size(self) -> int:
+        """Device tokens in locked nodes."""
+        return self._protected - self._off_locked
+
+    @property
+    def total_size(self) -> int:
+        """Tokens of the tree on the device."""
+        return self.evictable_size + self.protected_size
+
+    @property
+    def off_device_size(self) -> int:
+        """Tokens of the tree kept only on the host."""
+        return self._off_unlocked + self._off_locked
+
+    @property
+    def host_size(self) -> int:
+        """Tokens with a copy on the host (off-device ones and copies of device ones)."""
+        return self._host_tokens
+
+    def __repr__(self) -> str:
+        return (f"TieredRadixCache({self.write_policy}, nodes={self.num_nodes}, device={self.total_size}, "
+                f"host={self.host_size}, off_device={self.off_device_size}, "
+                f"disk_files={len(self.disk.files()) if self.disk else 0})")
+
+    # --- matching, loading back, inserting -----------------------------------------------------
+    def match_prefix(self, key) -> MatchResult:
+        """Chapter 3's match over every tier: `last_node` ends the whole match; `indices` (and
+        `len`) are the device part, the head of the path. `load_back` brings the rest."""
+        match = super().match_prefix(key)
+        off = sum(len(n.key) for n in self._path(match.last_node) if n.id in self._off_device)
+        return MatchResult(match.indices[:len(match) - off], match.last_node)
+
+    def reachable_len(self, key) -> int:
+        """Tokens of `key` that `match_prefix` + `load_back` would put on the device now, if every
+        disk file found is valid (a pure query: nothing splits, ticks or loads)."""
+        start = self.match_len(key)
+        if self.disk is None:
+            return start
+        p, hashes = self.disk.page_tokens, self.disk.page_hashes(self._aligned(self._as_key(key)))
+        end = start
+        for i in range(start // p, len(hashes)):
+            if not self.disk.contains(hashes[i]):
+                break
+            end = (i + 1) * p
+        return end
+
+    def load_back(self, key, node: TreeNode, slots: torch.Tensor) -> tuple[int, TreeNode]:
+        """Bring a locked match onto the device before the forward that reads it. `node` is the
+        match's locked `last_node`; `slots` are device slots for `key`, the match's device part at
+        their head and fresh slots after. Copies the path's off-device nodes from the host into
+        their slots, then whole disk pages that continue the path; moves the lock to the end of what
+        was loaded. Returns (tokens of `key` now on the device, the locked node)."""
+        offset = 0
+        for x in self._path(node):
+            n = len(x.key)
+            if x.id in self._off_device:
+                dst = slots[offset:offset + n]
+                copy_kv(self.host, x.value, self.pool, dst)
+                self._to_device(x, dst.clone())
+                self.stats["loaded_from_host_tokens"] += n
+            offset += n
+        end = self._load_disk(list(key), offset, slots)
+        if end == offset:
+            return offset, node
+        _, match = self.insert_prefix(list(key[:end]), slots[:end])
+        self._on_disk.add(match.last_node.id)
+        self.lock(match.last_node)
+        self.unlock(node)
+        return end, match.last_node
+
+    def _load_disk(self, key: list, start: int, slots: torch.Tensor) -> int:
+        """Read the valid disk pages that continue key[:start] into `slots`; return the new end."""
+        if self.disk is None:
+            return start
+        p, hashes, end = self.disk.page_tokens, self.disk.page_hashes(key), start
+        for i in range(start // p, len(hashes)):
+            kv = self.disk.get(hashes[i], key[i * p:(i + 1) * p])
+            if kv is None:
+                break
+            lo = max(start, i * p)  # a page that starts inside the match: keep only its new tokens
+            self.pool.kv.index_copy_(2, slots[lo:(i + 1) * p], kv[:, :, lo - i * p:].to(self.pool.device))
+            end = (i + 1) * p
+        self.stats["loaded_from_disk_tokens"] += end - start
+        return end
+
+    def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
+        """Chapter 3's insert, where off-device nodes on the path adopt the caller's slots (the same
+        tokens after the same prefix: the same KV, already computed) rather than count as present.
+        Returns (leading tokens whose slots in `value` are duplicates, the match of the whole key);
+        with write_through, every node of the path is then copied down."""
+        present, match = super().insert_prefix(key, value)
+        path = self._path(match.last_node)
+        off = [x for x in path if x.id in self._off_device]
+        if off:
+            slots = self._as_value(value, len(self._as_key(key)))
+            offset = 0
+            for x in path:
+                if x is off[0]:
+                    present = offset
+                if x.id in self._off_device:
+                    self._to_device(x, slots[offset:offset + len(x.key)].clone())
+                offset += len(x.key)
+            match = MatchResult(torch.cat([x.value for x in path]), match.last_node)
+            self._touch_leaf(match.last_node)  # on the device now: it may have become a candidate
+        if self.write_policy == "write_through":
+            for x in path:
+                if x.id not in self._host:
+                    self._backup(x)
+                self._persist(x)
+        return present, match
+
+    def _to_device(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """An off-device node now has its KV in these device slots (its host copy stays)."""
+        self._off_device.discard(node.id)
+        node.value = slots
+        if node.lock_ref:
+            self._off_locked -= len(node.key)
+        else:
+            self._off_unlocked -= len(node.key)
+
+    # --- locking: off-device tokens change lock state too ---------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        super().lock(node)
+        self._count_lock_change(node, now=1)
+
+    def unlock(self, node: TreeNode) -> None:
+        super().unlock(node)
+        self._count_lock_change(node, now=0)
+
+    def _count_lock_change(self, node: TreeNode, now: int) -> None:
+        """After a lock (now=1) or unlock (now=0) of `node`: off-device nodes on its path whose
+        lock_ref became `now` changed lock state. They are the tail of the path."""
+        while node is not self.root and node.id in self._off_device:
+            if node.lock_ref == now:
+                n = len(node.key) if now else -len(node.key)
+                self._off_locked += n
+                self._off_unlocked -= n
+            node = node.parent
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        upper = super()._split(child, k)
+        if child.id in self._host:
+            host = self._host[child.id]
+            self._host[upper.id], self._host[child.id] = host[:k], host[k:]
+        for ids in (self._off_device, self._on_disk):
+            if child.id in ids:
+                ids.add(upper.id)
+        return upper
+
+    # --- device eviction: demote ---------------------------------------------------------------
+    def _is_candidate(self, node: TreeNode) -> bool:
+        """Kept in the eviction heap: unlocked non-root nodes that are leaves (chapter 3's rule, for
+        its checks) or device nodes with no child on the device (what the device evicts)."""
+        if node.lock_ref or node is self.root:
+            return False
+        return not node.children or (node.id not in self._off_device
+                                     and all(c.id in self._off_device for c in node.children.values()))
+
+    def _touch_leaf(self, node: TreeNode) -> None:
+        if not self._is_candidate(node):
+            return
+        heapq.heappush(self._heap, (node.last_access, node.id))
+        if len(self._heap) > 2 * len(self._nodes) + 64:  # too many stale entries: rebuild
+            self._heap = [(n.last_access, n.id) for n in self._nodes.values() if self._is_candidate(n)]
+            heapq.heapify(self._heap)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` device slots (fewer if not that many are evictable), least
+        recently used node first; return how many were freed. Nodes move down rather than leave."""
+        check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
+        freed, host_leaves = 0, []
+        while freed < num_tokens and self._heap:
+            entry = heapq.heappop(self._heap)
+            node = self._nodes.get(entry[1])
+            if node is None or node.last_access != entry[0] or not self._is_candidate(node):
+                continue
+            if node.id in self._off_device:  # an off-device leaf: the host's to evict, keep its entry
+                host_leaves.append(entry)
+                continue
+            freed += self._evict_device(node)
+        for entry in host_leaves:
+            heapq.heappush(self._heap, entry)
+        return freed
+
+    def _evict_device(self, node: TreeNode) -> int:
+        """Take an unlocked node with no child on the device off the device; return slots freed."""
+        n, parent = len(node.key), node.parent
+        if node.id in self._host or self._backup(node):
+            self.pool.free(node.value)
+            node.value = self._host[node.id]
+            self._off_device.add(node.id)
+            self._off_unlocked += n
+            self._touch_leaf(node)
+            self._touch_leaf(parent)
+        else:  # no room in memory below the device: it leaves, with its off-device subtree
+            self._remove(node)
+        return n
+
+    # --- host eviction ---------------------------------------------------------------------------
+    def _backup(self, node: TreeNode) -> bool:
+        """Copy a device node's KV to the host, evicting host copies to make room; False when there
+        is no host tier or it cannot make room."""
+        n = len(node.key)
+        if self.host is None or n > self.host.num_slots:
+            return False
+        if self.host.num_free < n:
+            self._evict_host(n - self.host.num_free)
+        if self.host.num_free < n:
+            return False
+        slots = self.host.alloc(n)
+        copy_kv(self.pool, node.value, self.host, slots)
+        self._host[node.id] = slots
+        self._host_tokens += n
+        self.stats["offloaded_tokens"] += n
+        return True
+
+    def _evict_host(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` host slots, least recently used first: drop host copies of
+        device nodes, take unlocked off-device leaves out of the tree. Returns slots freed."""
+        freed = 0
+        while freed < num_tokens:
+            candidates = [x for x in map(self._nodes.__getitem__, self._host)
+                          if x.id not in self._off_device or not (x.children or x.lock_ref)]
+            if not candidates:
+                break
+            victim = min(candidates, key=lambda x: (x.last_access, x.id))
+            freed += len(victim.key)
+            if victim.id in self._off_device:
+                self._remove(victim)
+            else:
+                self.host.free(self._host.pop(victim.id))
+                self._host_tokens -= len(victim.key)
+        return freed
+
+    def _remove(self, node: TreeNode) -> None:
+        """Take an unlocked node and everything below it out of the tree, children first, writing
+        their pages to disk (if there is one) and giving back their slots in every tier."""
+        for child in list(node.children.values()):
+            self._remove(child)
+        self._persist(node)
+        n, parent = len(node.key), node.parent
+        del parent.children[self._child_key(node.key)]
+        del self._nodes[node.id]
+        node.parent = None
+        self._evictable -= n
+        if node.id in self._off_device:
+            self._off_device.discard(node.id)
+            self._off_unlocked -= n
+        else:
+            self.pool.free(node.value)
+        if node.id in self._host:
+            self.host.free(self._host.pop(node.id))
+            self._host_tokens -= n
+        self._on_disk.discard(node.id)
+        self._touch_leaf(parent)
+
+    # --- disk ----------------------------------------------------------------------------------
+    def _persist(self, node: TreeNode) -> None:
+        """Write to disk every full page that ends inside this node and is not there yet (a page
+        that starts in an ancestor takes those tokens' KV from the ancestor)."""
+        if self.disk is None or node.id in self._on_disk:
+            return
+        path = self._path(node)
+        tokens = [t for x in path for t in x.key]
+        p, end = self.disk.page_tokens, len(tokens)
+        hashes = self.disk.page_hashes(tokens)
+        for i in range((end - len(node.key)) // p, end // p):
+            if not self.disk.contains(hashes[i]):
+                self.disk.put(hashes[i], tokens[i * p:(i + 1) * p], self._gather(path, i * p, (i + 1) * p))
+                self.stats["offloaded_tokens"] += p
+        self._on_disk.add(node.id)
+
+    def _gather(self, path: list[TreeNode], start: int, end: int) -> torch.Tensor:
+        """KV of tokens [start, end) of a path, read from whichever tier holds each node."""
+        parts, offset = [], 0
+        for x in path:
+            lo, hi = max(start, offset), min(end, offset + len(x.key))
+            if lo < hi:
+                pool = self.host if x.id in self._off_device else self.pool
+                parts.append(pool.kv.index_select(2, x.value[lo - offset:hi - offset].to(pool.device)).cpu())
+            offset += len(x.key)
+        return torch.cat(parts, dim=2)
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from below the root down to `node`."""
+        path = []
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    # --- checks ----------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        off = {False: 0, True: 0}
+        host_tokens = 0
+        for node in self.nodes()[1:]:
+            n, on_device = len(node.key), node.id not in self._off_device
+            assert on_device or node.id in self._host, f"node #{node.id} holds KV in no tier"
+            if on_device:
+                assert node.parent is self.root or node.parent.id not in self._off_device, (
+                    f"node #{node.id} is on the device but its parent is not")
+            else:
+                off[bool(node.lock_ref)] += n
+                assert torch.equal(node.value, self._host[node.id]), f"off-device node #{node.id}: value"
+            if node.id in self._host:
+                assert self._host[node.id].shape[0] == n, f"node #{node.id}: host copy length"
+                host_tokens += n
+        assert set(self._host) | self._off_device | self._on_disk <= set(self._nodes), "tier entry of a gone node"
+        assert (off[False], off[True]) == (self._off_unlocked, self._off_locked), "off-device sizes drifted"
+        assert host_tokens == self._host_tokens, "host size drifted"
+        if self.host is not None:
+            assert self.host.num_free + host_tokens == self.host.num_slots, "host slot leak"
+        live = {(n.last_access, n.id) for n in self._nodes.values() if self._is_candidate(n)}
+        assert live <= set(self._heap), "an eviction candidate is missing from the heap"

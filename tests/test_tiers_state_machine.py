@@ -1,0 +1,220 @@
+"""TieredRadixCache against a brute-force reference, driven by hypothesis (as chapter 3's tree is).
+
+Every token's K and V in the pools is a marker computed from its whole prefix, so wherever a
+prefix's KV travels (device -> host -> disk -> device), reading it back proves it is the right KV.
+The reference knows nothing about nodes: it keeps the set of page-aligned prefixes the tree holds in
+memory. A prefix appears only by an insert or a load back; it may disappear only if no lock covers
+it, and then (with a disk) its full pages are on disk and read back as the right KV. A match finds
+exactly the longest prefix of the set; device eviction takes the least recently used candidates.
+"""
+
+import shutil
+import tempfile
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvlearn.pool import KVPool
+from kvlearn.tiers import DiskStore, TieredRadixCache
+from kvlearn.tiers.host import host_pool_for
+
+tokens = st.lists(st.integers(0, 2), max_size=10)
+
+
+def marker(prefix) -> float:
+    """The KV 'value' of the last token of `prefix`: a function of the whole prefix."""
+    h = 0
+    for t in prefix:
+        h = (h * 7 + t + 1) % 10_007
+    return float(h)
+
+
+class TieredMachine(RuleBasedStateMachine):
+    @initialize(page=st.sampled_from([1, 1, 2]), host_slots=st.sampled_from([0, 4, 8, 24]),
+                use_disk=st.booleans(), policy=st.sampled_from(["write_back", "write_through"]))
+    def setup(self, page, host_slots, use_disk, policy):
+        self.page = page
+        self.pool = KVPool(1, 1, 1, 12, page_size=page)
+        self.host = host_pool_for(self.pool, host_slots) if host_slots else None
+        self.folder = tempfile.mkdtemp(prefix="kvlearn-tiers-")
+        self.disk = DiskStore(self.folder, "toy", torch.float32, (1, 1, 1), 2 * page) if use_disk else None
+        self.tree = TieredRadixCache(self.pool, self.host, self.disk, policy)
+        self.present = set()   # reference: page-aligned prefixes held in memory (device or host)
+        self.locks = []        # (node, locked prefix)
+        self.corrupted = set()  # disk keys we damaged
+        self.keys = []         # keys inserted so far, to match again
+
+    def teardown(self):
+        if hasattr(self, "folder"):
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    # --- helpers -----------------------------------------------------------------------------
+    def aligned(self, key):
+        return tuple(key[:len(key) // self.page * self.page])
+
+    def pages(self, key):
+        return [key[:j] for j in range(self.page, len(key) + 1, self.page)]
+
+    def tree_present(self):
+        out, path = set(), {self.tree.root.id: ()}
+        for node in self.tree.nodes()[1:]:
+            path[node.id] = path[node.parent.id] + node.key
+            base = path[node.parent.id]
+            out.update(base + node.key[:j] for j in range(self.page, len(node.key) + 1, self.page))
+        return out
+
+    def device_free(self, n):
+        if self.pool.num_free < n:
+            self.tree.evict(n - self.pool.num_free)
+        return self.pool.num_free >= n
+
+    def locked(self, prefix):
+        return any(lp[:len(prefix)] == prefix for _, lp in self.locks)
+
+    def expect_changes(self, added):
+        """After an operation: the tree holds the reference plus exactly `added`, minus prefixes
+        that legitimately left (no lock covers them; their disk pages are on disk)."""
+        now = self.tree_present()
+        assert now - self.present <= set(added), f"prefixes appeared from nowhere: {now - self.present - set(added)}"
+        assert set(added) <= now, "an inserted or loaded prefix is missing"
+        gone = self.present - now
+        for prefix in gone:
+            assert not self.locked(prefix), f"locked prefix {prefix} left the tree"
+            if self.disk is not None and len(prefix) % self.disk.page_tokens == 0:
+                self.assert_on_disk(prefix)
+        self.present = now
+
+    def assert_on_disk(self, prefix):
+        key = self.disk.page_hashes(prefix)[-1]
+        if key in self.corrupted:
+            return
+        kv = self.disk.get(key, prefix[-self.disk.page_tokens:])
+        assert kv is not None, f"{prefix} left memory but is not on disk"
+        p = self.disk.page_tokens
+        want = [marker(prefix[:len(prefix) - p + i + 1]) for i in range(p)]
+        assert kv[0, 0, :, 0, 0].tolist() == want and kv[0, 1, :, 0, 0].tolist() == [-w for w in want]
+
+    def write_markers(self, key, slots, start=0):
+        values = torch.tensor([marker(key[:i + 1]) for i in range(start, start + len(slots))])
+        self.pool.kv[0, 0, slots, 0, 0] = values
+        self.pool.kv[0, 1, slots, 0, 0] = -values
+
+    # --- rules -------------------------------------------------------------------------------
+    @rule(key=tokens)
+    def insert(self, key):
+        key = tuple(key)
+        n = -(-len(key) // self.page) * self.page
+        if not self.device_free(n):
+            return
+        self.expect_changes(())
+        taken = self.pool.alloc(n)
+        self.write_markers(key, taken[:len(key)])
+        _, match = self.tree.insert_prefix(list(key), taken[:len(key)])
+        a = len(match)
+        mine = taken[:a]
+        self.pool.free(torch.cat([mine[mine != match.indices], taken[a:]]))  # duplicates, unaligned tail
+        self.expect_changes(self.pages(self.aligned(key)))
+        self.keys.append(key)
+        if self.tree.write_policy == "write_through" and self.disk is not None:
+            for prefix in self.pages(self.aligned(key)):
+                if len(prefix) % self.disk.page_tokens == 0:
+                    self.assert_on_disk(prefix)
+
+    @rule(data=st.data(), key=tokens, keep=st.booleans())
+    def match_load_and_lock(self, data, key, keep):
+        if self.keys and data.draw(st.booleans()):  # often a key seen before: its KV may be below
+            key = data.draw(st.sampled_from(self.keys))
+        key = self.aligned(tuple(key))
+        want_tree = max((len(p) for p in self.pages(key) if p in self.present), default=0)
+        assert self.tree.match_len(list(key)) == want_tree
+        reachable = self.tree.reachable_len(list(key))
+        match = self.tree.match_prefix(list(key))
+        node = match.last_node
+        self.tree.lock(node)
+        self.locks.append((node, key[:want_tree]))
+        need = reachable - len(match)
+        if not self.device_free(need):
+            self.locks.pop()
+            self.tree.unlock(node)
+            self.expect_changes(())
+            return
+        slots = torch.cat([match.indices, self.pool.alloc(need)])
+        end, node = self.tree.load_back(list(key), node, slots)
+        assert want_tree <= end <= reachable
+        values = self.pool.kv[0, 0, slots[:end], 0, 0].tolist()
+        assert values == [marker(key[:i + 1]) for i in range(end)], "loaded the wrong KV"
+        self.pool.free(slots[end:])
+        self.locks[-1] = (node, key[:end])
+        self.expect_changes(self.pages(key[:end]))
+        if not keep:
+            self.locks.pop()
+            self.tree.unlock(node)
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.tree.unlock(node)
+
+    @rule(num_tokens=st.integers(0, 12))
+    def evict(self, num_tokens):
+        before = {n.id: (n.last_access, "device" in self.tree.tiers(n)) for n in self.tree.nodes()[1:]}
+        evictable = self.tree.evictable_size
+        freed = self.tree.evict(num_tokens)
+        assert freed == evictable - self.tree.evictable_size
+        if freed < num_tokens:
+            assert self.tree.evictable_size == 0, "stopped early with evictable tokens left"
+        after = {n.id: n for n in self.tree.nodes()[1:]}
+        victims = [t for i, (t, dev) in before.items() if dev and (i not in after or "device" not in self.tree.tiers(after[i]))]
+        candidates = [n.last_access for n in after.values() if "device" in self.tree.tiers(n) and not n.lock_ref
+                      and all("device" not in self.tree.tiers(c) for c in n.children.values())]
+        if victims and candidates:
+            assert max(victims) <= min(candidates), "device eviction is not least recently used"
+        self.expect_changes(())
+
+    @precondition(lambda self: self.disk is not None and self.disk.files())
+    @rule(data=st.data(), how=st.sampled_from(["truncate", "flip", "foreign"]))
+    def damage_a_disk_file(self, data, how):
+        path = data.draw(st.sampled_from(self.disk.files()))
+        raw = path.read_bytes()
+        if how == "truncate":
+            raw = raw[:len(raw) // 2]
+        elif how == "flip":
+            raw = raw[:-1] + bytes([raw[-1] ^ 0xFF])
+        else:
+            raw = raw.replace(b'"model": "toy"', b'"model": "yot"')
+        path.write_bytes(raw)
+        self.corrupted.add(int(path.stem, 16))
+
+    # --- invariants --------------------------------------------------------------------------
+    @invariant()
+    def structure_and_contents(self):
+        if not hasattr(self, "tree"):
+            return
+        t = self.tree
+        t.check_invariants()
+        assert self.pool.num_free + t.total_size == self.pool.num_slots, "device slot leak"
+        assert t.root.lock_ref == len(self.locks)
+        paths = {t.root.id: ()}
+        device, host = [], []
+        for node in t.nodes()[1:]:
+            paths[node.id] = paths[node.parent.id] + node.key
+            want = [marker(paths[node.id][:len(paths[node.parent.id]) + i + 1]) for i in range(len(node.key))]
+            where = t.tiers(node)
+            if "device" in where:
+                device += node.value.tolist()
+                assert self.pool.kv[0, 0, node.value, 0, 0].tolist() == want, "device KV is wrong"
+            if "host" in where:
+                slots = t._host[node.id]
+                host += slots.tolist()
+                assert self.host.kv[0, 0, slots, 0, 0].tolist() == want, "host KV is wrong"
+        assert len(set(device)) == len(device) and len(set(host)) == len(host), "a slot held twice"
+        for _, prefix in self.locks:
+            assert prefix in self.present or not prefix
+
+
+TieredMachine.TestCase.settings = settings(settings.default, stateful_step_count=25,
+                                           max_examples=min(settings.default.max_examples, 300))
+TestTieredStateMachine = TieredMachine.TestCase
