@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.errors import check_choice
+from kvlearn.errors import check_choice, check_positive_int
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import RadixKV
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
@@ -69,6 +69,8 @@ class TieredRadixKV(RadixKV):
 def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str) -> None:
     """Refuse tier options the engine cannot honour, before anything is built."""
     check_choice("write_policy", write_policy, WRITE_POLICIES)
+    if host_slots is not None:
+        check_positive_int("host_slots", host_slots, " (tokens of KV the host tier holds)")
     if (host_slots is not None or disk_dir is not None) and cache != "radix":
         raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                          f"tree), got cache={cache!r}.")

@@ -212,17 +212,20 @@ class TieredRadixCache(RadixCache):
 
     def unlock(self, node: TreeNode) -> None:
         super().unlock(node)
-        self._count_lock_change(node, now=0)
+        # The device node above an off-device tail may have become an eviction candidate.
+        self._touch_leaf(self._count_lock_change(node, now=0))
 
-    def _count_lock_change(self, node: TreeNode, now: int) -> None:
+    def _count_lock_change(self, node: TreeNode, now: int) -> TreeNode:
         """After a lock (now=1) or unlock (now=0) of `node`: off-device nodes on its path whose
-        lock_ref became `now` changed lock state. They are the tail of the path."""
+        lock_ref became `now` changed lock state. They are the tail of the path; returns the
+        device node above them."""
         while node is not self.root and node.id in self._off_device:
             if node.lock_ref == now:
                 n = len(node.key) if now else -len(node.key)
                 self._off_locked += n
                 self._off_unlocked -= n
             node = node.parent
+        return node
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         upper = super()._split(child, k)

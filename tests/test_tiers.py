@@ -1,0 +1,215 @@
+"""Chapter 8's tiers: the disk store's files, the tiered radix mode under the scheduler (with a
+stand-in model whose 'KV' is the token and position, so a wrong load changes the output), and the
+real model against Hugging Face `generate` under memory pressure and across a restart."""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from kvlearn.pool import KVPool
+from kvlearn.serving.engine import Engine
+from kvlearn.serving.request import Request
+from kvlearn.serving.scheduler import Scheduler
+from kvlearn.serving.workloads import make_workload
+from kvlearn.tiers import DiskStore, TieredRadixKV
+from kvlearn.tiers.host import host_pool_for
+from tests.hf_reference import hf_greedy
+from tests.test_engine import EOS, next_token, reference
+
+SHAPE = (2, 1, 3)  # layers, kv heads, head dim of the disk tests' pages
+
+
+def page(seed: float, tokens: int = 4) -> torch.Tensor:
+    return torch.arange(2 * 2 * tokens * 3, dtype=torch.float32).reshape(2, 2, tokens, 1, 3) + seed
+
+
+# --- the disk store ----------------------------------------------------------------------------------
+def test_a_page_comes_back_and_damaged_or_foreign_files_are_misses(tmp_path):
+    store = DiskStore(tmp_path, "model-a", torch.float32, SHAPE, page_tokens=4)
+    tokens = [5, 6, 7, 8]
+    key = store.page_hashes(tokens + [9])[0]  # full pages only
+    store.put(key, tokens, page(1.0))
+    assert torch.equal(store.get(key, tokens), page(1.0))
+    assert store.get(key, [5, 6, 7, 0]) is None  # same key, other tokens: never their KV
+    assert store.get(store.page_hashes([1, 2, 3, 4])[0], [1, 2, 3, 4]) is None
+    raw = store.path(key).read_bytes()
+    for damaged, reason in ((raw[:-5], "truncated"), (raw[:10], "truncated"),
+                            (raw[:-1] + bytes([raw[-1] ^ 1]), "corrupt"), (b"garbage" + raw, "corrupt")):
+        store.path(key).write_bytes(damaged)
+        before = store.stats[f"miss_{reason}"]
+        assert store.get(key, tokens) is None
+        assert store.stats[f"miss_{reason}"] == before + 1
+    store.path(key).write_bytes(raw)
+    for other in (DiskStore(tmp_path, "model-b", torch.float32, SHAPE, page_tokens=4),
+                  DiskStore(tmp_path, "model-a", torch.bfloat16, SHAPE, page_tokens=4)):
+        assert other.get(key, tokens) is None and other.stats["miss_foreign"] == 1
+    assert not list(tmp_path.glob(".tmp-*")), "a temporary file was left behind"
+
+
+def _write_many(folder, seed, n):
+    store = DiskStore(folder, "m", torch.float32, SHAPE, page_tokens=4)
+    for _ in range(n):
+        store.put(7, [1, 2, 3, 4], page(seed))
+
+
+def test_two_processes_writing_one_entry_leave_a_valid_file(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_many, args=(tmp_path, seed, 200)) for seed in (10.0, 20.0)]
+    for w in writers:
+        w.start()
+    store, seen = DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4), 0
+    while any(w.is_alive() for w in writers):
+        kv = store.get(7, [1, 2, 3, 4])
+        if kv is not None:  # absent before the first rename, whole after it
+            assert torch.equal(kv, page(10.0)) or torch.equal(kv, page(20.0))
+            seen += 1
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    kv = store.get(7, [1, 2, 3, 4])
+    assert torch.equal(kv, page(10.0)) or torch.equal(kv, page(20.0))
+    assert store.stats["miss_truncated"] == store.stats["miss_corrupt"] == 0
+    assert [p.name for p in tmp_path.iterdir()] == [store.path(7).name]
+
+
+def test_an_unusable_folder_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="does not exist.*mkdir"):
+        DiskStore(tmp_path / "nope", "m", torch.float32, SHAPE)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a folder"):
+        DiskStore(tmp_path / "file", "m", torch.float32, SHAPE)
+    with pytest.raises(TypeError, match="folder path"):
+        DiskStore(3, "m", torch.float32, SHAPE)
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="not writable"):
+            DiskStore(locked, "m", torch.float32, SHAPE)
+
+
+# --- the tiered mode under the scheduler, with a stand-in model ------------------------------------
+class PoolForward:
+    """The stand-in model of test_engine, keeping each token's id and position *in the pool* (K and
+    V of a one-number pool), so they travel with the KV through every tier and back."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+
+    def __call__(self, batch) -> list[int]:
+        out, kv = [], self.pool.kv
+        for ids, slots in zip(batch.input_ids, batch.kv_indices):
+            cached = len(slots) - len(ids)
+            positions = kv[0, 1, slots[:cached], 0, 0]
+            assert torch.equal(positions, torch.arange(cached, dtype=kv.dtype)), "context read from wrong slots"
+            context = kv[0, 0, slots[:cached], 0, 0].long().tolist() + list(ids)
+            kv[0, 0, slots[cached:], 0, 0] = torch.tensor(ids, dtype=kv.dtype)
+            kv[0, 1, slots[cached:], 0, 0] = torch.arange(cached, len(slots), dtype=kv.dtype)
+            out.append(next_token(context))
+        return out
+
+
+def run_tiered(prompts, num_slots, host_slots, disk_dir=None, policy="write_back", max_new=6, rounds=2):
+    """Serve the prompts `rounds` times (a returning user) on one tiered manager; check every step."""
+    pool = KVPool(1, 1, 1, num_slots)
+    disk = DiskStore(disk_dir, "stand-in", torch.float32, (1, 1, 1), 4) if disk_dir else None
+    kv = TieredRadixKV(pool, host=host_pool_for(pool, host_slots) if host_slots else None, disk=disk,
+                       write_policy=policy)
+    scheduler, forward = Scheduler(kv, 64, "fcfs", (EOS,)), PoolForward(pool)
+    for r in range(rounds):
+        requests = [Request(r * len(prompts) + i, p, max_new) for i, p in enumerate(prompts)]
+        for req in requests:
+            scheduler.add(req)
+        while scheduler.has_unfinished():
+            batch = scheduler.schedule()
+            scheduler.postprocess(batch, forward(batch))  # asserts slot conservation, host included
+            kv.tree.check_invariants()
+        for req, prompt in zip(requests, prompts):
+            assert req.output_ids == reference(prompt, max_new)
+    return kv, scheduler
+
+
+PROMPTS = [[1 + i % 3] * 12 + [20 + i] * 6 for i in range(6)]  # three shared heads, six tails
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_pressure_moves_nodes_down_and_back_with_the_right_kv(tmp_path, policy):
+    kv, scheduler = run_tiered(PROMPTS, num_slots=48, host_slots=64, policy=policy)
+    stats = kv.tier_stats
+    assert stats["offloaded_tokens"] > 0 and stats["loaded_from_host_tokens"] > 0
+    kv_none, _ = run_tiered(PROMPTS, num_slots=48, host_slots=None, disk_dir=tmp_path, policy=policy)
+    assert kv_none.tier_stats["loaded_from_disk_tokens"] > 0
+
+
+def test_host_tier_saves_prefill_over_no_tier():
+    from kvlearn.serving.simulate import simulate
+
+    _, tiered = run_tiered(PROMPTS, num_slots=48, host_slots=256)
+    plain = simulate(PROMPTS * 2, "radix", max_new_tokens=6, num_slots=48)
+    assert tiered.stats["computed_prefill_tokens"] < plain["computed_prefill_tokens"]
+
+
+# --- the real model ----------------------------------------------------------------------------------
+def test_tier_options_are_checked_before_anything_is_built(model, tokenizer, tmp_path):
+    for bad, error, message in (
+            (dict(write_policy="lazy"), ValueError, "write_policy"),
+            (dict(cache="blocks", host_slots=64), ValueError, "cache='radix'"),
+            (dict(host_slots=0), ValueError, "host_slots"),
+            (dict(host_slots=2.5), TypeError, "host_slots"),
+            (dict(host_slots=30, page_size=4, num_slots=64), ValueError, "multiple of page_size"),
+            (dict(disk_dir=tmp_path / "missing"), ValueError, "does not exist")):
+        with pytest.raises(error, match=message):
+            Engine(model, tokenizer, **bad)
+    stats = Engine(model, tokenizer, num_slots=64).stats
+    assert stats["offloaded_tokens"] == stats["loaded_from_host_tokens"] == stats["loaded_from_disk_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path):
+    """Multi-turn chat in a device pool of 20% of its need: prefixes move down and come back, the
+    tokens stay Hugging Face's, and the tiers compute less prefill than no tier."""
+    chat = make_workload("multi_turn", tokenizer, num_conversations=2, num_turns=3)
+    max_new = 6
+    need = sum(len(p) + max_new for p in chat.prompts)
+    slots = max(int(0.2 * need), max(len(p) for p in chat.prompts) + max_new)
+    runs = {}
+    for name, options in (("none", {}), ("host", dict(host_slots=need)),
+                          ("host+disk", dict(host_slots=need // 4, disk_dir=tmp_path, write_policy="write_through"))):
+        engine = Engine(model, tokenizer, num_slots=slots, max_batch_tokens=256, **options)
+        outputs = []
+        for turn in range(chat.num_requests // 2):  # a round of both conversations at a time
+            outputs += engine.generate([list(p) for p in chat.prompts[2 * turn:2 * turn + 2]], max_new_tokens=max_new)
+            if turn == 0:
+                total = dict.fromkeys(engine.stats, 0)
+            total = {k: total[k] + v for k, v in engine.stats.items()}
+        for out, prompt in zip(outputs, chat.prompts):
+            assert out.token_ids == hf_greedy(model, prompt, max_new)
+        runs[name] = total
+        engine.evict_all()
+        assert engine.pool.num_free == engine.pool.num_slots
+    assert runs["host"]["loaded_from_host_tokens"] > 0
+    assert runs["host"]["computed_prefill_tokens"] < runs["none"]["computed_prefill_tokens"]
+    assert runs["host+disk"]["loaded_from_host_tokens"] + runs["host+disk"]["loaded_from_disk_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_a_new_engine_reuses_the_disk_folder_and_refuses_damaged_files(model, tokenizer, tmp_path):
+    shared = make_workload("shared_system", tokenizer, num_requests=2)
+    prompts, max_new = shared.prompt_lists(), 4
+    first = Engine(model, tokenizer, num_slots=1024, disk_dir=tmp_path, write_policy="write_through")
+    first.generate(prompts, max_new_tokens=max_new)
+    assert first.stats["loaded_from_disk_tokens"] == 0 and list(tmp_path.glob("*.kv"))
+    second = Engine(model, tokenizer, num_slots=1024, disk_dir=tmp_path)  # a restart: an empty tree
+    outputs = second.generate(prompts, max_new_tokens=max_new)
+    stats = second.stats
+    assert [o.token_ids for o in outputs] == [hf_greedy(model, p, max_new) for p in prompts]
+    page = second.kv.tree.disk.page_tokens
+    assert stats["computed_prefill_tokens"] <= len(prompts) * page  # only each prompt's last partial page
+    assert stats["loaded_from_disk_tokens"] >= len(prompts[0]) - page
+    for path in tmp_path.glob("*.kv"):  # damage every file: all misses, nothing wrong loaded
+        path.write_bytes(path.read_bytes()[:-3])
+    third = Engine(model, tokenizer, num_slots=1024, disk_dir=tmp_path)
+    outputs = third.generate(prompts, max_new_tokens=max_new)
+    assert [o.token_ids for o in outputs] == [hf_greedy(model, p, max_new) for p in prompts]
+    assert third.stats["loaded_from_disk_tokens"] == 0 and third.stats["disk_entries_rejected"] > 0
