@@ -27,6 +27,7 @@ from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import SCHEDULES, Scheduler, StepReport
+from kvlearn.tiers import check_tier_options, make_tiered_kv, tier_counters
 
 DEFAULT_NUM_SLOTS = 8192        # about 377 MB of float32 KV for SmolLM2-135M
 
@@ -68,7 +69,10 @@ class Engine:
     the pool; in "blocks" mode the block size (default 16), else 1. max_batch_tokens: tokens
     computed per step at most (decodes count one each; a prompt alone may exceed it).
     schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
-    KV at once (rows of the ReqToTokenPool).
+    KV at once (rows of the ReqToTokenPool). host_slots, disk_dir, write_policy: chapter 8's tiers
+    below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
+    folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
+    cached. With both left at None there are no tiers.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError.
@@ -79,8 +83,10 @@ class Engine:
 
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
                  page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
-                 max_running: int = DEFAULT_MAX_REQUESTS):
+                 max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
+                 write_policy: str = "write_back"):
         check_choice("cache", cache, CACHE_MODES)
+        check_tier_options(cache, host_slots, disk_dir, write_policy)
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         check_positive_int("max_running", max_running)
@@ -95,7 +101,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.runner = ModelRunner(model, self.pool)
-        self.kv = make_kv_manager(cache, self.pool, max_running)
+        if host_slots is None and disk_dir is None:
+            self.kv = make_kv_manager(cache, self.pool, max_running)
+        else:
+            self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
@@ -224,12 +233,16 @@ class Engine:
     def reset_stats(self) -> None:
         self.scheduler.reset_stats()
         self._wall_time = 0.0
+        self._tier_start = tier_counters(self.kv)
 
     @property
     def stats(self) -> dict:
         """The scheduler's counters since the last reset (see `Scheduler`), plus hit_rate =
-        cached / (cached + computed) prefill tokens and the wall time spent in `step`."""
-        return with_rates(self.scheduler.stats, self._wall_time)
+        cached / (cached + computed) prefill tokens and the wall time spent in `step`, and the tier
+        counters (offloaded_tokens, loaded_from_host_tokens, loaded_from_disk_tokens; 0 without tiers)."""
+        stats = with_rates(self.scheduler.stats, self._wall_time)
+        stats.update({k: v - self._tier_start[k] for k, v in tier_counters(self.kv).items()})
+        return stats
 
     def evict_all(self) -> int:
         """Drop every cached token no request is using (tokens freed); with nothing running,
