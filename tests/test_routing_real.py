@@ -35,3 +35,14 @@ def test_real_engines_route_and_hit_like_the_simulation(model, tokenizer, policy
     assert (real.ttft_p99_s, real.makespan_s) == (sim.ttft_p99_s, sim.makespan_s)
     for r in trace:
         assert real.outputs[r.id] == hf_greedy(model, r.prompt_ids, r.max_new_tokens), r.id
+
+
+@pytest.mark.slow
+def test_calibrate_times_the_real_model(model, tmp_path):
+    from kvlearn.routing.timemodel import calibrate
+
+    lines = []
+    tm = calibrate(model, rounds=1, progress=lines.append)
+    assert len(lines) == 13 and all(line.strip().startswith("prefill") for line in lines)
+    assert "threads" in tm.measured_on and tm.step_s(1024, 0, 1024) > 0
+    assert TimeModel.load(tm.save(tmp_path / "tm.json")) == tm

@@ -84,7 +84,7 @@ class EngineReplica:
     """A replica running the real model: a kvlearn Engine (several may share one model object)."""
 
     def __init__(self, engine):
-        self.engine, self.kv = engine, engine.kv
+        self.engine, self.kv, self.page_size = engine, engine.kv, engine.pool.page_size
         self.live: list[Request] = []
 
     def submit(self, rid: int, treq: TraceRequest) -> Request:
@@ -183,7 +183,7 @@ def known_prefix_len(replica, prompt: list[int]) -> int:
 def check_fits(trace: list[TraceRequest], replica) -> None:
     """Refuse a trace whose largest request could never fit in one replica's pool."""
     largest = max(trace, key=lambda r: r.num_prompt_tokens + r.max_new_tokens)
-    probe = Request(-1, largest.prompt_ids, largest.max_new_tokens, page_size=replica.kv.page_size)
+    probe = Request(-1, largest.prompt_ids, largest.max_new_tokens, page_size=replica.page_size)
     if not replica.kv.fits(probe):
         raise KVCapacityError(
             f"{largest.where} needs KV for {probe.max_tokens} tokens ({largest.num_prompt_tokens} prompt + "
@@ -206,7 +206,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     running = [False] * n
     steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
     owner: dict[int, TraceRequest] = {}               # id(Request) -> its trace request
-    ttft, routes, outputs, done, seq = [], {}, {}, 0, 0
+    ttft, routes, outputs, done, seq, output_tokens = [], {}, {}, 0, 0, 0
     first_arrival = trace[0].arrival
     bar = None
     if progress:
@@ -249,6 +249,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
             continue
         now, _, i, progressed = heapq.heappop(steps)
         running[i] = False
+        output_tokens += len(progressed)
         for req in progressed:
             treq = owner[id(req)]
             generated = len(req.token_ids) - req.num_prompt_tokens
@@ -282,7 +283,6 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
             f"replica {r['replica']}: prompt tokens are not cached + computed: {r}"
     total = {k: sum(r[k] for r in per_replica) for k in ("prompt_tokens", "cached_tokens", "computed_prefill_tokens",
                                                           "preemptions")}
-    output_tokens = sum(rep.stats["output_tokens"] for rep in replicas)
     makespan = now - first_arrival
     prefill = total["cached_tokens"] + total["computed_prefill_tokens"]
     mean_busy = sum(busy_s) / n

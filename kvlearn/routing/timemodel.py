@@ -8,7 +8,7 @@ one forward pass. Its time is modelled as
 
 where context_tokens is the sum, over the batch's requests, of the tokens each one attends to
 (its whole context). The coefficients are measured on the real model by `calibrate()` (least
-squares over timed forward passes) and stored as a small JSON file; `default_time_model()` reads
+squares over timed forward passes, the fastest of several rounds) and stored as a small JSON file; `default_time_model()` reads
 the one committed with kvlearn, measured on the machine the course was built on.
 """
 
@@ -18,6 +18,8 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvlearn.errors import check_positive_int
 
 DEFAULT_PATH = Path(__file__).with_name("time_model.json")
 
@@ -78,19 +80,12 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
+def calibrate(model=None, rounds: int = 5, progress=print) -> TimeModel:
     """Time real forward passes of the model (prefills of several lengths, decode batches of several
-    sizes and contexts) and fit the TimeModel by least squares."""
+    sizes and contexts) and fit the TimeModel by least squares.
+
+    Every probe runs once per round and keeps its fastest time: other work on the machine only ever
+    slows a pass down, so the minimum over rounds spread in time is the least disturbed measurement."""
     import os
 
     import torch
@@ -99,15 +94,17 @@ def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
     from kvlearn.pool import KVPool
     from kvlearn.runner import ModelRunner
 
+    check_positive_int("rounds", rounds)
     if model is None:
         model, _ = load_model()
     pool = KVPool.for_model(model.config, num_slots=8192, dtype=model.dtype, device=model.device)
     runner = ModelRunner(model, pool)
     context = pool.alloc(4096)   # a shared context for the decode probes: its values do not matter
-    rows, times = [], []
+    # (prefill tokens, decoding requests, context each decoding request attends to)
+    probes = [(n, 0, 1) for n in (32, 128, 512, 1024)] + [(0, b, c) for b in (1, 4, 16, 32) for c in (128, 2048)]
+    probes.append((256, 8, 512))
 
-    def probe(prefill: int, seqs: int, ctx: int):
-        # `seqs` decoding requests attending to `ctx` tokens each, plus one prefill of `prefill` tokens
+    def run(prefill: int, seqs: int, ctx: int) -> float:
         ids, indices = [], []
         fresh = pool.alloc(prefill + seqs)
         if prefill:
@@ -116,21 +113,24 @@ def calibrate(model=None, repeats: int = 3, progress=print) -> TimeModel:
         for i in range(seqs):
             ids.append([5])
             indices.append(torch.cat([context[:ctx - 1], fresh[prefill + i:prefill + i + 1]]))
-        seconds = _timed(lambda: runner.forward(ids, indices), repeats)
+        start = time.perf_counter()
+        runner.forward(ids, indices)
+        seconds = time.perf_counter() - start
         pool.free(fresh)
-        rows.append([1.0, prefill, seqs, seqs * ctx + prefill])
-        times.append(seconds)
-        progress(f"  prefill {prefill:>4} + {seqs:>2} decodes x {ctx:>4} context: {seconds * 1e3:7.1f} ms")
+        return seconds
 
-    for prefill in (32, 128, 512, 1024):
-        probe(prefill, 0, 1)
-    for seqs in (1, 4, 16, 32):
-        for ctx in (128, 2048):
-            probe(0, seqs, ctx)
-    probe(256, 8, 512)
-    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)[:, None]).solution
+    run(32, 4, 128)   # warm up
+    best = [float("inf")] * len(probes)
+    for _ in range(rounds):
+        for k, probe in enumerate(probes):
+            best[k] = min(best[k], run(*probe))
+    rows = [[1.0, prefill, seqs, seqs * ctx + prefill] for prefill, seqs, ctx in probes]
+    for (prefill, seqs, ctx), seconds in zip(probes, best):
+        progress(f"  prefill {prefill:>4} + {seqs:>2} decodes x {ctx:>4} context: {seconds * 1e3:7.1f} ms")
+    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(best, dtype=torch.float64)[:, None]).solution
     a, b, c, d = (max(float(x), 0.0) for x in coef[:, 0])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return TimeModel(a, b, c, d, measured_on=f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                                              f"{torch.get_num_threads()} threads, {model.dtype}, {model.device}, "
-                                             f"load average {load:.1f} after calibrating, {time.strftime('%Y-%m-%d')}")
+                                             f"best of {rounds} rounds, load average {load:.1f} after, "
+                                             f"{time.strftime('%Y-%m-%d')}")
