@@ -155,10 +155,10 @@ class BlockManager:
         """Forget every published prefix held only by the cache and give those blocks back to the
         allocator; returns the tokens forgotten. Blocks in use keep their hashes."""
         evicted = list(self._cached)
+        self.allocator.free(torch.tensor(evicted, dtype=torch.int64))  # may fail: before any change
         for b in evicted:
             self._forget(self.blocks[b])
         self._cached.clear()
-        self.allocator.free(torch.tensor(evicted, dtype=torch.int64))
         self.stats.evicted_blocks += len(evicted)
         return len(evicted) * self.block_size
 
@@ -261,12 +261,13 @@ class BlockManager:
                     else "deallocate finished sequences first (check can_allocate)")
             raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} free blocks but only "
                                   f"{self.num_free_blocks} are free: {hint}.")
+        fresh = self._fresh_pages(seq.num_blocks - len(hit))  # the one call that may fail: before any change
         for block_id in hit:  # before any miss evicts a cached block, so no hit is handed out
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._cached[block_id]
             block.ref_count += 1
-        seq.block_table[:] = hit + self._take_free_blocks(seq.num_blocks - len(hit))
+        seq.block_table[:] = hit + self._claim(fresh, seq.num_blocks - len(hit))
         seq.num_cached_tokens = len(hit) * self.block_size
         self._live.add(seq.seq_id)
         if self.enable_prefix_caching:
@@ -275,12 +276,15 @@ class BlockManager:
             self.stats.hit_blocks += len(hit)
             self.stats.hit_tokens += seq.num_cached_tokens
 
-    def _take_free_blocks(self, n: int) -> list[int]:
-        """`n` blocks for new KV (the caller checked there are enough): free pages of the allocator
-        first, then cached blocks, least recently freed first, each forgetting what it cached."""
+    def _fresh_pages(self, n: int) -> list[int]:
+        """Up to `n` free pages from the allocator: new blocks come from there first."""
         fresh = min(n, self.allocator.num_free)
-        taken = self.allocator.alloc(fresh).tolist() if fresh else []
-        taken += [self._evict_one() for _ in range(n - fresh)]
+        return self.allocator.alloc(fresh).tolist() if fresh else []
+
+    def _claim(self, fresh: list[int], n: int) -> list[int]:
+        """`n` blocks for new KV (the caller checked there are enough): the `fresh` pages, then
+        cached blocks, least recently freed first, each forgetting what it cached."""
+        taken = fresh + [self._evict_one() for _ in range(n - len(fresh))]
         for block_id in taken:
             self.blocks[block_id].ref_count = 1
         return taken
@@ -330,25 +334,24 @@ class BlockManager:
             raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but only "
                                   f"{self.num_free_blocks} are free: "
                                   "preempt (deallocate) a sequence first (check can_append).")
-        seq.block_table.extend(self._take_free_blocks(needed))
+        seq.block_table.extend(self._claim(self._fresh_pages(needed), needed))
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the blocks of `seq`. A block nobody holds any more stays cached (at the back of
         the LRU list) if it is the published copy of its prefix, and goes back to the allocator
         otherwise. The table is walked in reverse, so a prefix's tail is evicted before its head."""
         self._check_live(seq)
-        released = []
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count:
-                continue
-            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
-                self._cached[block_id] = None
+        last_user = [b for b in reversed(seq.block_table) if self.blocks[b].ref_count == 1]
+        released = [b for b in last_user if self.hash_to_block_id.get(self.blocks[b].hash) != b]
+        # The one call that may fail, before any change; table order, so the head is reused first.
+        self.allocator.free(torch.tensor(released[::-1], dtype=torch.int64))
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count -= 1
+        for block_id in last_user:
+            if block_id in released:
+                self._forget(self.blocks[block_id])
             else:
-                self._forget(block)
-                released.append(block_id)
-        self.allocator.free(torch.tensor(released[::-1], dtype=torch.int64))  # table order: head first
+                self._cached[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
         self._live.discard(seq.seq_id)

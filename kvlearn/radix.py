@@ -253,6 +253,16 @@ class RadixCache:
             node.lock_ref += 1
             node = node.parent
 
+    def unlocked_on_path(self, node: TreeNode) -> int:
+        """Tokens on the path from `node` up to the root that are in unlocked nodes: what
+        `lock(node)` would move from evictable to protected. A pure query."""
+        self._check_node(node)
+        tokens = 0
+        while node is not None and node.lock_ref == 0:  # locks cover whole paths: stop at the first
+            tokens += len(node.key)
+            node = node.parent
+        return tokens
+
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`; nodes whose lock_ref drops to 0 become evictable again."""
         self._check_node(node)
@@ -290,15 +300,21 @@ class RadixCache:
             # Entries go stale when the node was touched again, grew a child, got locked or left.
             if node is None or node.children or node.lock_ref or node.last_access != last_access:
                 continue
+            # Hand the slots back first: if the callback raises, the node stays cached (its slots
+            # were not taken back) and in line for the next eviction, so nothing leaks.
+            if self.evict_callback is not None:
+                try:
+                    self.evict_callback(node.value)
+                except BaseException:
+                    heapq.heappush(self._heap, (last_access, node_id))
+                    raise
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             del self._nodes[node.id]
             node.parent = None
             self._evictable -= len(node.key)
             freed += len(node.key)
-            self._touch_leaf(parent)  # before the callback: a raising callback must not strand it
-            if self.evict_callback is not None:
-                self.evict_callback(node.value)
+            self._touch_leaf(parent)
         return freed
 
     def _touch_leaf(self, node: TreeNode) -> None:

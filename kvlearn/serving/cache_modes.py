@@ -94,39 +94,53 @@ class RadixKV(SlotKV):
     def admit(self, req: Request) -> int | None:
         # Match all but the last token: its logits are needed, so it is always computed.
         match = self.tree.match_prefix(req.token_ids[:-1])
-        # Lock before allocating, so the eviction that allocation may trigger cannot take the match;
-        # undo the lock if admission does not happen, whatever the reason.
+        need = self._pages(len(req.token_ids) - len(match)) * self.page_size
+        # Refuse before locking when even evicting everything but the match would not make room.
+        spare = self.tree.evictable_size - self.tree.unlocked_on_path(match.last_node)
+        if not self.rows.num_free or self.pool.num_free + spare < need:
+            return None
+        # Lock before allocating, so the eviction that allocation may trigger cannot take the match.
         self.tree.lock(match.last_node)
-        admitted = None
         try:
-            admitted = self._admit_after(req, match.indices, match.last_node)
-        finally:
-            if admitted is None:
-                self.tree.unlock(match.last_node)
-        return admitted
+            return self._admit_after(req, match.indices, match.last_node)  # room was checked: not None
+        except BaseException:
+            self.tree.unlock(match.last_node)
+            raise
 
     def after_forward(self, req: Request, prefilled: bool) -> None:
         if prefilled:  # publish the prompt at once, so requests admitted later share it
-            self._insert(req, keep_locked=True)
+            self._insert(req, len(req.token_ids), keep_locked=True)
 
     def release(self, req: Request) -> None:
-        self._insert(req, keep_locked=False)  # the tree takes the computed head...
-        self._free_private(req)               # ...and the rest goes back to the pool
+        self._insert(req, req.num_computed, keep_locked=False)  # the tree takes the computed head...
+        self._free_private(req)                                 # ...and the rest goes back to the pool
 
-    def _insert(self, req: Request, keep_locked: bool) -> None:
-        """Hand the request's computed tokens to the tree (see the row diagram in kv_manager)."""
-        h, n = req.kv, req.num_computed
-        slots = self.rows.req_to_token[h.row]
-        present, match = self.tree.insert_prefix(req.token_ids[:n], slots[:n])
-        if present > h.prefix_len:  # copies of tokens another request inserted meanwhile
-            self.pool.free(slots[h.prefix_len:present])
+    def _insert(self, req: Request, n: int, keep_locked: bool) -> None:
+        """Hand the request's first `n` tokens (their KV computed) to the tree; see the row diagram
+        in kv_manager. Each step leaves the handle true before the next call that may fail, so
+        running it again after a failure finishes the job."""
+        h = req.kv
+        # The tree may already hold more than `n` (an after_forward that failed half way): never less.
+        key, slots = req.token_ids[:max(n, h.prefix_len)], self.rows.req_to_token[h.row]
+        # 1. Tokens the tree got meanwhile (another request inserted them): the request's own slots
+        #    for them are duplicates. Free them and point the row at the tree's slots. Comparing
+        #    slots, not counting tokens, finds only what is still the request's.
+        cached = self.tree.match_prefix(key).indices
+        mine, theirs = slots[h.prefix_len:len(cached)], cached[h.prefix_len:]
+        self.pool.free(mine[mine != theirs])
+        mine.copy_(theirs)
+        h.prefix_len = len(cached)
+        # 2. The rest joins the tree as it is: the tree owns those slots now.
+        _, match = self.tree.insert_prefix(key, slots[:len(key)])
+        h.prefix_len = len(match)
         # Hand the lock over. SGLang's order: release the old node, then lock the new one. That is
         # safe because nothing can evict in between (one thread, no allocation between the calls).
-        self.tree.unlock(h.last_node)
+        if h.last_node is not None:
+            self.tree.unlock(h.last_node)
+            h.last_node = None
         if keep_locked:
-            slots[:len(match)] = match.indices
             self.tree.lock(match.last_node)
-        h.prefix_len, h.last_node = len(match), match.last_node if keep_locked else None
+            h.last_node = match.last_node
 
     def slots_in_use(self, running: list[Request]) -> int:
         # Locked paths are exactly the running requests' prefixes; the rest of each row is private.
@@ -173,7 +187,11 @@ class BlockKV(KVManager):
         if not self.rows.num_free or not self.manager.can_allocate(req):
             return None
         self.manager.allocate(req)  # fills req.block_table and req.num_cached_tokens
-        self._open_row(req, self._table_slots(req.block_table), req.num_cached_tokens)
+        try:
+            self._open_row(req, self._table_slots(req.block_table), req.num_cached_tokens)
+        except BaseException:
+            self.manager.deallocate(req)
+            raise
         return req.num_cached_tokens
 
     def grow(self, req: Request) -> bool:
@@ -188,10 +206,11 @@ class BlockKV(KVManager):
         return True
 
     def after_forward(self, req: Request, prefilled: bool) -> None:
-        self.manager.hash_blocks(req, req.num_computed)
+        self.manager.hash_blocks(req)
 
     def release(self, req: Request) -> None:
-        self.manager.deallocate(req)
+        if req.block_table:  # empty when an earlier call got this far
+            self.manager.deallocate(req)
         self._close_row(req)
 
     def slots_in_use(self, running: list[Request]) -> int:

@@ -189,13 +189,19 @@ class Engine:
         if not self.scheduler.has_unfinished():
             raise RuntimeError("Nothing to run: add a request first (add_request or generate).")
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError(f"The scheduler found nothing to run with {len(self.scheduler.waiting)} waiting "
-                               "requests: this is a kvlearn bug, please report it.")
-        # The scheduler built valid input (checked prompts, allocated slots): no per-step re-check.
-        logits = self.runner.run(batch.input_ids, batch.kv_indices)
-        self.scheduler.postprocess(batch, logits.argmax(-1).tolist())
+        try:
+            batch = self.scheduler.schedule()
+            if not batch:
+                raise RuntimeError(f"The scheduler found nothing to run with {len(self.scheduler.waiting)} "
+                                   "waiting requests: this is a kvlearn bug, please report it.")
+            # The scheduler built valid input (checked prompts, allocated slots): no per-step re-check.
+            logits = self.runner.run(batch.input_ids, batch.kv_indices)
+            self.scheduler.postprocess(batch, logits.argmax(-1).tolist())
+        except BaseException:
+            # An error or Ctrl-C anywhere in the step: the running requests leave ("aborted"), giving
+            # back their KV, so the engine stays whole; waiting ones hold nothing and stay queued.
+            self.scheduler.abort(list(self.scheduler.running))
+            raise
         self._wall_time += time.perf_counter() - start
         return self.scheduler.report
 
@@ -214,12 +220,12 @@ class Engine:
                 bar = tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
                            leave=False)
             try:
-                while any(r.status != "finished" for r in requests):
+                while any(r.status in ("waiting", "running") for r in requests):
                     self._step()
                     if bar is not None:
                         bar.n = sum(len(r.output_ids) for r in requests)
                         bar.refresh()
-            except BaseException:  # an error or Ctrl-C: this call's requests leave, the engine stays usable
+            except BaseException:  # this call's requests that still wait leave the queue too
                 self.scheduler.abort(requests)
                 raise
             finally:

@@ -21,6 +21,10 @@ the request leaves, its private slots go back to the pool and its hold on the pr
 
 Invariant (`check`, after every step): free slots + slots held only by the cache (evictable) +
 slots held by running requests (shared ones once) == pool size.
+
+Faults: every mutation either completes or, when one of the calls it makes raises, leaves nothing
+half done that a later call cannot finish: `admit` and `grow` undo what they took, and `release`
+can be called again after a failure and completes the job (the scheduler's `abort` relies on it).
 """
 
 from __future__ import annotations
@@ -121,13 +125,14 @@ class KVManager(ABC):
 
     @abstractmethod
     def after_forward(self, req: Request, prefilled: bool) -> None:
-        """Mutation: the forward wrote the KV of the first `req.num_computed` tokens; a caching mode
-        may publish them."""
+        """Mutation: the forward wrote the KV of every token of `req.token_ids`; a caching mode may
+        publish them."""
 
     @abstractmethod
     def release(self, req: Request) -> None:
-        """Mutation: the request finished or is preempted; its computed tokens may go to the cache,
-        everything else it holds goes back. Afterwards `req.kv` is None."""
+        """Mutation: the request finished or is preempted; its first `req.num_computed` tokens may
+        go to the cache, everything else it holds goes back. Afterwards `req.kv` is None. Safe to
+        call again after it raised."""
 
     @abstractmethod
     def evict_all(self) -> int:
@@ -140,7 +145,11 @@ class KVManager(ABC):
     def _open_row(self, req: Request, slots: torch.Tensor, prefix_len: int, last_node=None) -> None:
         """Record the request's slots in a fresh row (the caller checked a row is free)."""
         row = self.rows.alloc()
-        self.rows.write(row, 0, slots)
+        try:
+            self.rows.write(row, 0, slots)
+        except BaseException:
+            self.rows.free(row)
+            raise
         req.kv = KVHandle(row, len(slots), prefix_len, last_node)
 
     def _close_row(self, req: Request) -> None:
@@ -173,7 +182,11 @@ class SlotKV(KVManager):
         new = self._alloc(self._pages(len(req.token_ids) - len(prefix)) * self.page_size)
         if new is None:
             return None
-        self._open_row(req, torch.cat([prefix, new]), len(prefix), last_node)
+        try:
+            self._open_row(req, torch.cat([prefix, new]), len(prefix), last_node)
+        except BaseException:
+            self.pool.free(new)
+            raise
         return len(prefix)
 
     def grow(self, req: Request) -> bool:
@@ -183,7 +196,11 @@ class SlotKV(KVManager):
         new = self._alloc(self.page_size)
         if new is None:
             return False
-        self.rows.write(h.row, h.num_slots, new)
+        try:
+            self.rows.write(h.row, h.num_slots, new)
+        except BaseException:
+            self.pool.free(new)
+            raise
         h.num_slots += self.page_size
         return True
 
@@ -191,4 +208,5 @@ class SlotKV(KVManager):
         """Give the request's own slots back to the pool and its row back to the table."""
         h = req.kv
         self.pool.free(self.rows.req_to_token[h.row, h.prefix_len:h.num_slots])
+        h.num_slots = h.prefix_len  # nothing private left, should closing the row fail
         self._close_row(req)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvlearn.sequence import Sequence
 
-STATUSES = ("waiting", "running", "finished")
+STATUSES = ("waiting", "running", "finished", "aborted")
 
 
 class Request(Sequence):
@@ -18,7 +18,8 @@ class Request(Sequence):
     num_computed: leading tokens whose KV is in the pool (the scheduler sets it from what admission
     found cached and after each forward); the newest generated token never has KV until the next
     step computes it. kv: the KV manager's handle while the request holds KV (see
-    `kvlearn.serving.kv_manager.KVHandle`), None otherwise. status: "waiting", "running" or "finished".
+    `kvlearn.serving.kv_manager.KVHandle`), None otherwise. status: "waiting", "running", "finished",
+or "aborted" (taken out by a step that failed; its output is cut short).
     """
 
     def __init__(self, rid: int, prompt_ids, max_new_tokens: int, page_size: int = 1):

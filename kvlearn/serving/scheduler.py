@@ -210,15 +210,32 @@ class Scheduler:
         return admitted
 
     def abort(self, requests: list[Request]) -> None:
-        """Take these requests out (a failed or interrupted `generate`): running ones give back
-        their KV as a preemption would, waiting ones leave the queue; all end "finished"."""
+        """Take these requests out (after a failed or interrupted step): running ones give back
+        their KV as a preemption would, waiting ones leave the queue; all end "aborted". One
+        failing release does not stop the others; each failed one is tried once more (a release
+        can be repeated), and the first error is raised at the end if that fails too."""
+        failed = []
         for req in requests:
-            if req.status == "running":
-                self.kv.release(req)
-                self.running.remove(req)
-            elif req.status == "waiting" and req in self.waiting:
+            if req.status == "waiting" and req in self.waiting:
                 self.waiting.remove(req)
-            req.status = "finished"
+                req.status = "aborted"
+            elif req.status == "running":
+                try:
+                    self._leave(req, "aborted")
+                except BaseException as err:
+                    failed.append((req, err))
+        for req, err in failed:
+            if req.status == "running":
+                try:
+                    self._leave(req, "aborted")
+                except BaseException:
+                    raise err from None
+
+    def _leave(self, req: Request, status: str = "finished") -> None:
+        """A running request gives its KV back and leaves `running`."""
+        self.kv.release(req)
+        self.running.remove(req)
+        req.status = status
 
     # --- after the forward ----------------------------------------------------------------------
     def postprocess(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
@@ -227,13 +244,11 @@ class Scheduler:
         finished = []
         self.stats["output_tokens"] += len(batch)
         for i, (req, token) in enumerate(zip(batch.requests, next_tokens)):
-            req.num_computed = len(req.token_ids)
             self.kv.after_forward(req, prefilled=i < batch.num_prefills)
+            req.num_computed = len(req.token_ids)
             req.token_ids.append(token)
             if token in self.eos_token_ids or req.done:
-                self.kv.release(req)
-                self.running.remove(req)
-                req.status = "finished"
+                self._leave(req)
                 finished.append(req)
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)

@@ -1,0 +1,109 @@
+"""Fault injection for the engine: make one bookkeeping call raise, then check the engine is whole.
+
+A *site* is a method of one of the engine's parts (the pool, its allocator, the request rows, the
+radix tree or block manager, the runner). `inject(engine, site, k)` makes the k-th call of that
+site raise (once) before it runs, as an error or a Ctrl-C at that call would. After the failed
+`generate`, `check_whole` runs the same prompts again and expects the tokens of a fresh engine,
+then evicts the cache and expects every slot free, every row free and nothing locked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SITES = {
+    "pool": ("alloc", "free"),
+    "pool.allocator": ("alloc", "free"),
+    "kv.rows": ("alloc", "write", "free"),
+    "kv.tree": ("match_prefix", "insert_prefix", "lock", "unlock", "evict", "evict_callback"),
+    "kv.manager": ("allocate", "may_append", "hash_blocks", "deallocate", "evict_cached"),
+    "runner": ("run",),
+}
+
+
+class InjectedFault(Exception):
+    """The fault a test injected."""
+
+
+def tiny_model(vocab_size: int = 64):
+    """A 2-layer Llama with random weights: the engine's code paths in milliseconds a step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def owner(engine, path: str):
+    obj = engine
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def sites(engine) -> list[tuple[str, str]]:
+    """The (object path, method) pairs this engine's cache mode has."""
+    return [(path, name) for path, names in SITES.items() for name in names
+            if owner(engine, path) is not None and hasattr(owner(engine, path), name)]
+
+
+def count_calls(engine, run) -> dict[tuple[str, str], int]:
+    """How often `run()` calls each site."""
+    counts = {}
+    for path, name in sites(engine):
+        obj, real = owner(engine, path), getattr(owner(engine, path), name)
+
+        def counted(*args, _key=(path, name), _real=real, **kwargs):
+            counts[_key] = counts.get(_key, 0) + 1
+            return _real(*args, **kwargs)
+        setattr(obj, name, counted)
+    try:
+        run()
+    finally:
+        restore(engine)
+    return counts
+
+
+def inject(engine, path: str, name: str, k: int, fault=InjectedFault) -> None:
+    """Make the k-th call of `path.name` raise `fault` (once), before the real call runs."""
+    obj, real = owner(engine, path), getattr(owner(engine, path), name)
+    calls = [0]
+
+    def faulty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k:
+            raise fault(f"injected at call {k} of {path}.{name}")
+        return real(*args, **kwargs)
+    setattr(obj, name, faulty)
+
+
+def restore(engine) -> None:
+    """Remove every injected or counting wrapper (instance attributes shadow the real methods)."""
+    for path, name in sites(engine):
+        obj = owner(engine, path)
+        if name in vars(obj):
+            if name == "evict_callback":  # a real attribute: the pool's free
+                obj.evict_callback = engine.pool.free
+            else:
+                delattr(obj, name)
+
+
+def whole(engine) -> list[str]:
+    """What is wrong with an engine that should hold nothing (after evict_all); [] when whole."""
+    problems = []
+    kv, pool = engine.kv, engine.pool
+    if engine.scheduler.running or engine.scheduler.waiting:
+        problems.append("requests left in the queues")
+    if pool.num_free != pool.num_slots:
+        problems.append(f"leak: {pool.num_slots - pool.num_free} slots not free")
+    if kv.rows.num_free != len(kv.rows.lengths):
+        problems.append("a request row leaked")
+    if kv.name == "radix":
+        kv.tree.check_invariants()
+        if kv.tree.total_size or kv.tree.root.lock_ref:
+            problems.append(f"tree holds {kv.tree.total_size} tokens, root lock_ref {kv.tree.root.lock_ref}")
+    if kv.name == "blocks" and (kv.manager.hash_to_block_id or kv.manager.num_free_blocks != kv.manager.num_blocks):
+        problems.append("blocks still cached or in use")
+    return problems
