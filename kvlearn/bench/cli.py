@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from kvlearn.bench.decode import describe_efficiency, step_efficiency
 from kvlearn.bench.demo import device_arg
 from kvlearn.bench.peers import (HF_SYSTEMS, KVLEARN_SYSTEMS, run_hf_continuous_batching, run_hf_generate,
                                  run_kvlearn, run_vllm, warm_up)
@@ -85,14 +86,18 @@ def main(argv: list[str]) -> int:
             else:
                 results.append(run_vllm(args.vllm_python, workload, args.max_new_tokens))
             bar.update()
+    # One decode step of the workload's first 16 prompts on the runner's fast path, against a plain
+    # read of as many bytes as the weights.
+    decode_step = step_efficiency(model, workload.prompt_lists()[:16], fast=True)
     print("\n" + table(results, workload))
+    print(describe_efficiency(decode_step))
     print("\nbars (ratios measured in this run; timings vary with machine load):")
-    for name, measured, target, reached in check_bars(results, workload):
+    for name, measured, target, reached in check_bars(results, workload, decode_step):
         sign = "<=" if "floor" in name else ">="
         print(f"  {'reached' if reached else 'MISSED ':<8} {name}: {measured} (target {sign} {target})")
     mismatches, ties = compare_tokens(results, workload, model)
     for path in write_outputs(results, workload, args.max_new_tokens, Path(args.out) if args.out else figures_dir(),
-                              mismatches, ties):
+                              mismatches, ties, decode_step):
         print(f"wrote {path}")
     if ties:
         print("\nexact ties (not errors):\n  " + "\n  ".join(ties))

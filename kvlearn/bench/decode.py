@@ -1,11 +1,16 @@
-"""Decode throughput: sequences packed into one forward vs one forward per sequence.
+"""Decode throughput: sequences packed into one forward vs one forward per sequence; and how
+close one packed decode step comes to the memory floor.
 
-    python -m kvlearn.bench.decode [--batch 16] [--steps 16] [--repeats 3]
+    python -m kvlearn.bench.decode [--batch 16] [--steps 16] [--repeats 3] [--fast]
 
 Both sides use the same runner, pool and paged attention; only the packing differs. Each round
 times a few decode steps of the packed batch, then the same number of tokens one sequence at a
 time, so both see the same machine load; the best round of each is reported (timings on a shared
 CPU are noisy, the best is the least disturbed).
+
+A decode step must read every weight once, so its floor is weight bytes / memory bandwidth.
+`step_efficiency` times a packed decode step against a plain read (`sum`) of as many bytes, in
+alternating rounds.
 """
 
 from __future__ import annotations
@@ -87,6 +92,53 @@ def throughput_by_batch(runner, prompts, batch_sizes, steps: int = 4, repeats: i
     return best
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the weights one forward multiplies by: every linear layer, the LM head included
+    (a tied embedding is read through the LM head; the embedding rows and norms are negligible)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict:
+    """Best time of one packed decode step of `prompts` (prefilled first) through a fresh runner,
+    and best time of a plain `sum` over as many bytes as the weights, in alternating rounds.
+    `efficiency` is the share of that plain read bandwidth the step reaches on its weights."""
+    from kvlearn.pool import KVPool
+    from kvlearn.runner import ModelRunner
+
+    nbytes = weight_bytes(model)
+    num_slots = sum(len(p) + rounds + 1 for p in prompts)
+    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=num_slots, device=model.device), fast=fast)
+    block = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)  # touched before timing
+    batch = DecodeBatch(runner, prompts)
+    members = list(range(len(prompts)))
+    step = read = float("inf")
+    try:
+        batch.step(members)  # warm-up
+        for _ in range(rounds):
+            start = time.perf_counter()
+            batch.step(members)
+            step = min(step, time.perf_counter() - start)
+            start = time.perf_counter()
+            block.sum().item()
+            read = min(read, time.perf_counter() - start)
+        context = sum(len(s) for s in batch.slots) / len(prompts)
+    finally:
+        batch.close()
+    return {"batch": len(prompts), "mean_context_tokens": round(context, 1), "fast": fast, "weight_bytes": nbytes,
+            "step_ms": round(step * 1e3, 2), "weight_read_gb_s": round(nbytes / step / 1e9, 2),
+            "plain_read_gb_s": round(nbytes / read / 1e9, 2), "efficiency": round(read / step, 3)}
+
+
+def describe_efficiency(e: dict) -> str:
+    """One line for `step_efficiency`'s result."""
+    path = "fast path" if e["fast"] else "plain path"
+    return (f"decode step, {path} ({e['batch']} sequences, {e['mean_context_tokens']:.0f} context tokens on average): "
+            f"{e['step_ms']:.1f} ms; {e['weight_bytes'] / 1e6:.0f} MB of weights read at "
+            f"{e['weight_read_gb_s']:.1f} GB/s = {e['efficiency']:.0%} of a plain read in the same run "
+            f"({e['plain_read_gb_s']:.1f} GB/s)")
+
+
 def plot_throughput(by_batch: dict[int, float]):
     """Decode tokens/s against batch size (matplotlib figure)."""
     import matplotlib.pyplot as plt
@@ -109,6 +161,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=16, help="sequences decoded together (<= 16)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the best is kept")
+    parser.add_argument("--fast", action="store_true", help="the runner's packed fast path (kvlearn.fast)")
     args = parser.parse_args(argv)
     if not 1 <= args.batch <= len(QUESTIONS) or args.steps < 1 or args.repeats < 1:
         parser.error(f"need 1 <= --batch <= {len(QUESTIONS)}, --steps >= 1, --repeats >= 1")
@@ -120,15 +173,17 @@ def main(argv=None) -> dict:
     model, tokenizer = load_model()
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:args.batch]]
     pool = KVPool.for_model(model.config, num_slots=4096, device=model.device)
-    runner = ModelRunner(model, pool)
+    runner = ModelRunner(model, pool, fast=args.fast)
     decode_tokens_per_s(runner, prompts, 2, packed=True)  # warm-up
     result = compare(runner, prompts, args.steps, args.repeats)
     print(f"device={model.device.type} threads={torch.get_num_threads()} batch={args.batch} "
-          f"steps={args.steps} repeats={args.repeats}")
+          f"steps={args.steps} repeats={args.repeats} fast={args.fast}")
     print(f"{'mode':<24}{'decode tokens/s':>16}")
     print(f"{'packed, one forward':<24}{result['packed']:>16.1f}")
     print(f"{'one sequence at a time':<24}{result['one_at_a_time']:>16.1f}")
     print(f"speedup: {result['speedup']:.2f}x")
+    result["efficiency"] = step_efficiency(model, prompts, fast=args.fast)
+    print(describe_efficiency(result["efficiency"]))
     assert pool.num_free == pool.num_slots
     return result
 

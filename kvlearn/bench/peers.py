@@ -12,6 +12,7 @@ Every runner borrows the model and leaves it as it found it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from contextlib import contextmanager
@@ -135,24 +136,38 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 job = json.load(sys.stdin)
-llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True)
+llm = LLM(model=job["model"], dtype="float32", enable_prefix_caching=True, block_size=job["block_size"])
 params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
+llm.generate([TokensPrompt(prompt_token_ids=[7] * 8)], SamplingParams(temperature=0.0, max_tokens=2),
+             use_tqdm=False)  # warm-up, as kvlearn and Hugging Face get one
 prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 start = time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
 wall = time.perf_counter() - start
 print("KVLEARN_RESULT " + json.dumps({"wall": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]}))
 """
+# vLLM's CPU backend: pages of a multiple of 32 tokens, its KV cache sized in GiB.
+VLLM_BLOCK_SIZE = 32
+VLLM_KV_CACHE_GIB = 2
+
+
+def vllm_environment(threads: int) -> dict[str, str]:
+    """What vLLM's CPU build needs to compute on the same `threads` cores as torch here: by default
+    it reserves a core and binds its workers to one."""
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
 
 
 def run_vllm(python: str, workload: Workload, max_new_tokens: int) -> SystemResult:
-    """vLLM (CPU build, prefix caching on) in a separate Python: vLLM pins its own transformers.
-    It loads kvlearn's converted copy of the model; the time excludes vLLM's start-up."""
+    """vLLM (CPU build, prefix caching on) in a separate Python: vLLM pins its own torch and
+    transformers. It loads kvlearn's converted copy of the model and computes on as many cores as
+    torch does here; the time excludes vLLM's start-up (about 80 s) and a warm-up request."""
     from kvlearn.model import cache_dir
 
     job = json.dumps({"model": str(cache_dir()), "prompts": workload.prompt_lists(),
-                      "max_new_tokens": max_new_tokens})
-    done = subprocess.run([python, "-c", _VLLM_SCRIPT], input=job, capture_output=True, text=True)
+                      "max_new_tokens": max_new_tokens, "block_size": VLLM_BLOCK_SIZE})
+    done = subprocess.run([python, "-c", _VLLM_SCRIPT], input=job, capture_output=True, text=True,
+                          env=vllm_environment(torch.get_num_threads()))
     lines = [line for line in done.stdout.splitlines() if line.startswith("KVLEARN_RESULT ")]
     if done.returncode or not lines:
         raise RuntimeError(f"vLLM run with {python} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")

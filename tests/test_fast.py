@@ -1,0 +1,125 @@
+"""The runner's session and its fast path: same logits and tokens as Hugging Face, the model untouched."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvlearn.attention import ATTN_IMPLEMENTATION
+from kvlearn.bench.peers import SystemResult
+from kvlearn.bench.report import compare_tokens
+from kvlearn.fast import FastLlama, PackedLinear
+from kvlearn.model import chat_ids
+from kvlearn.pool import KVPool
+from kvlearn.runner import ModelRunner, greedy_generate
+from kvlearn.serving.workloads import make_workload
+from tests.hf_reference import hf_greedy
+
+TOL = 1e-4
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "How do bees make honey?"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [chat_ids(tokenizer, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def fast_runner(model):
+    # room for the 16-request workload without sharing: 16 x (about 330 prompt + 32 new) tokens
+    return ModelRunner(model, KVPool.for_model(model.config, num_slots=6144, device=model.device), fast=True)
+
+
+def hf_last_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids], device=model.device)).logits[0, -1]
+
+
+def test_fast_prefill_and_mixed_step_match_hugging_face(model, prompts, fast_runner):
+    pool = fast_runner.pool
+    a, b, c = prompts
+    slots = [pool.alloc(len(a)), pool.alloc(len(b))]
+    try:
+        logits = fast_runner.forward([a, b], slots)
+        for ids, got in zip((a, b), logits):
+            assert (got - hf_last_logits(model, ids)).abs().max() <= TOL
+        first = int(logits[0].argmax())
+        slots[0] = torch.cat([slots[0], pool.alloc(1)])
+        slots.append(pool.alloc(len(c)))
+        mixed = fast_runner.forward([[first], c], [slots[0], slots[2]])  # a decodes while c prefills
+        assert (mixed[0] - hf_last_logits(model, a + [first])).abs().max() <= TOL
+        assert (mixed[1] - hf_last_logits(model, c)).abs().max() <= TOL
+    finally:
+        for s in slots:
+            pool.free(s)
+
+
+@pytest.mark.slow
+def test_fast_greedy_equals_hugging_face_generate_on_the_shared_system_workload(model, tokenizer, fast_runner):
+    workload = make_workload("shared_system", tokenizer)
+    assert workload.num_requests == 16
+    eos = model.generation_config.eos_token_id
+    fast = greedy_generate(fast_runner, workload.prompt_lists(), max_new_tokens=32, eos_token_id=eos)
+    reference = [hf_greedy(model, p, 32) for p in workload.prompts]
+    mismatches, ties = compare_tokens([SystemResult("hf", reference, 1.0), SystemResult("fast", fast, 1.0)],
+                                      workload, model)
+    assert mismatches == [], mismatches
+    assert len(ties) <= 1, ties  # an exact float tie may go either way; more would be suspicious
+    assert fast_runner.pool.num_free == fast_runner.pool.num_slots
+
+
+def test_the_model_is_left_exactly_as_found(model, prompts):
+    ids = torch.tensor([prompts[0]])
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before, impl = generate(), model.config._attn_implementation
+    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=512, device=model.device), fast=True)
+    greedy_generate(runner, prompts[:2], max_new_tokens=4)
+    assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
+    assert model.config._attn_implementation == impl != ATTN_IMPLEMENTATION
+    assert torch.equal(generate(), before)
+
+
+def test_a_session_switches_the_attention_once_and_restores_it(model, prompts, monkeypatch):
+    calls = []
+    original = type(model).set_attn_implementation
+    monkeypatch.setattr(type(model), "set_attn_implementation",
+                        lambda self, name: calls.append(name) or original(self, name))
+    impl = model.config._attn_implementation
+    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=512, device=model.device))
+    with runner.active():
+        with runner.active():                           # nested: part of the outer session
+            greedy_generate(runner, prompts[:2], max_new_tokens=3)
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert calls == [ATTN_IMPLEMENTATION, impl] and model.config._attn_implementation == impl
+    calls.clear()
+    greedy_generate(runner, prompts[:1], max_new_tokens=2)  # no session: each step switches and restores
+    assert calls == [ATTN_IMPLEMENTATION, impl] * 2
+
+
+def test_a_session_restores_the_attention_on_error(model):
+    impl = model.config._attn_implementation
+    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=64, device=model.device))
+    with pytest.raises(KeyError), runner.active():
+        raise KeyError("boom")
+    assert model.config._attn_implementation == impl
+
+
+def test_without_onednn_the_packed_weights_go_through_plain_linear(model, monkeypatch):
+    weight = model.model.layers[0].mlp.down_proj.weight
+    x = torch.randn(5, weight.shape[1])
+    fast = PackedLinear(weight)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    plain = PackedLinear(weight)
+    assert plain.kind == "linear" and plain.weight.data_ptr() != weight.data_ptr()
+    assert (plain(x) - x @ weight.T).abs().max() <= TOL and (fast(x) - plain(x)).abs().max() <= TOL
+
+
+def test_other_architectures_are_refused_with_a_clear_message():
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, hidden_act="gelu", attention_bias=True)
+    with pytest.raises(ValueError, match="Llama-like.*gelu.*bias"):
+        FastLlama(LlamaForCausalLM(cfg))
