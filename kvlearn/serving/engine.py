@@ -69,7 +69,9 @@ class Engine:
     the pool; in "blocks" mode the block size (default 16), else 1. max_batch_tokens: tokens
     computed per step at most (decodes count one each; a prompt alone may exceed it).
     schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
-    KV at once (rows of the ReqToTokenPool). host_slots, disk_dir, write_policy: chapter 8's tiers
+    KV at once (rows of the ReqToTokenPool). plain_text: tokenize string prompts as plain text, so
+    that a typed `<|im_start|>` cannot forge a chat turn (by default, as in transformers, it becomes
+    the control token; see `kvlearn.model.chat_ids`). host_slots, disk_dir, write_policy: chapter 8's tiers
     below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
     folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
     cached. With both left at None there are no tiers.
@@ -84,7 +86,7 @@ class Engine:
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
                  page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
                  max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
-                 write_policy: str = "write_back"):
+                 write_policy: str = "write_back", plain_text: bool = False):
         check_choice("cache", cache, CACHE_MODES)
         check_tier_options(cache, host_slots, disk_dir, write_policy)
         check_choice("schedule", schedule, SCHEDULES)
@@ -97,7 +99,7 @@ class Engine:
         # The pool checks the sizes (num_slots a multiple of page_size) before anything is built.
         self.pool = KVPool.for_model(model.config, num_slots=num_slots, dtype=model.dtype, device=model.device,
                                      page_size=page_size)
-        self.model, self.tokenizer, self.cache_mode = model, tokenizer, cache
+        self.model, self.tokenizer, self.cache_mode, self.plain_text = model, tokenizer, cache, bool(plain_text)
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.runner = ModelRunner(model, self.pool)
@@ -128,7 +130,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
-            prompt = chat_ids(self.tokenizer, prompt)
+            prompt = chat_ids(self.tokenizer, prompt, plain_text=self.plain_text)
         elif isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         elif not isinstance(prompt, (list, tuple)):
