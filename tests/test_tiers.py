@@ -166,31 +166,28 @@ def test_tier_options_are_checked_before_anything_is_built(model, tokenizer, tmp
 
 
 @pytest.mark.slow
-def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path):
-    """Multi-turn chat in a device pool of 20% of its need: prefixes move down and come back, the
-    tokens stay Hugging Face's, and the tiers compute less prefill than no tier."""
-    chat = make_workload("multi_turn", tokenizer, num_conversations=2, num_turns=3)
-    max_new = 6
+@pytest.mark.parametrize("options", [dict(host_slots=512),
+                                     dict(host_slots=128, disk_dir=True, write_policy="write_through")],
+                         ids=["host", "host+disk"])
+def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path, options):
+    """Multi-turn chat in a device pool of ~20% of its need: prefixes move down and come back
+    (every step checks slot conservation in both pools) and the tokens stay Hugging Face's."""
+    chat = make_workload("multi_turn", tokenizer, num_conversations=2, num_turns=2)
+    max_new = 4
     need = sum(len(p) + max_new for p in chat.prompts)
-    slots = max(int(0.2 * need), max(len(p) for p in chat.prompts) + max_new)
-    runs = {}
-    for name, options in (("none", {}), ("host", dict(host_slots=need)),
-                          ("host+disk", dict(host_slots=need // 4, disk_dir=tmp_path, write_policy="write_through"))):
-        engine = Engine(model, tokenizer, num_slots=slots, max_batch_tokens=256, **options)
-        outputs = []
-        for turn in range(chat.num_requests // 2):  # a round of both conversations at a time
-            outputs += engine.generate([list(p) for p in chat.prompts[2 * turn:2 * turn + 2]], max_new_tokens=max_new)
-            if turn == 0:
-                total = dict.fromkeys(engine.stats, 0)
-            total = {k: total[k] + v for k, v in engine.stats.items()}
-        for out, prompt in zip(outputs, chat.prompts):
-            assert out.token_ids == hf_greedy(model, prompt, max_new)
-        runs[name] = total
-        engine.evict_all()
-        assert engine.pool.num_free == engine.pool.num_slots
-    assert runs["host"]["loaded_from_host_tokens"] > 0
-    assert runs["host"]["computed_prefill_tokens"] < runs["none"]["computed_prefill_tokens"]
-    assert runs["host+disk"]["loaded_from_host_tokens"] + runs["host+disk"]["loaded_from_disk_tokens"] > 0
+    slots = max(need // 5, max(len(p) for p in chat.prompts) + max_new)
+    options = {**options, "disk_dir": tmp_path} if "disk_dir" in options else options
+    engine = Engine(model, tokenizer, num_slots=slots, **options)
+    outputs, loaded = [], 0
+    for turn in range(2):  # a round of both conversations at a time, as users take turns
+        outputs += engine.generate(chat.prompt_lists()[2 * turn:2 * turn + 2], max_new_tokens=max_new)
+        loaded += engine.stats["loaded_from_host_tokens"] + engine.stats["loaded_from_disk_tokens"]
+    for out, prompt in zip(outputs, chat.prompts):
+        assert out.token_ids == hf_greedy(model, prompt, max_new)
+    assert loaded > 0 and engine.stats["offloaded_tokens"] > 0
+    engine.kv.tree.check_invariants()
+    engine.evict_all()
+    assert engine.pool.num_free == engine.pool.num_slots
 
 
 @pytest.mark.slow

@@ -106,9 +106,10 @@ class TieredMachine(RuleBasedStateMachine):
     def insert(self, key):
         key = tuple(key)
         n = -(-len(key) // self.page) * self.page
-        if not self.device_free(n):
+        room = self.device_free(n)
+        self.expect_changes(())  # making room may have moved or dropped prefixes
+        if not room:
             return
-        self.expect_changes(())
         taken = self.pool.alloc(n)
         self.write_markers(key, taken[:len(key)])
         _, match = self.tree.insert_prefix(list(key), taken[:len(key)])
@@ -151,6 +152,17 @@ class TieredMachine(RuleBasedStateMachine):
         if not keep:
             self.locks.pop()
             self.tree.unlock(node)
+
+    @rule(data=st.data(), key=tokens)
+    def match_only(self, data, key):
+        if self.keys and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(self.keys))
+        key = self.aligned(tuple(key))
+        match = self.tree.match_prefix(list(key))
+        on_device = [p for p in self.pages(key) if p in self.present][:len(match) // self.page]
+        assert len(match) == len(on_device) * self.page
+        assert self.pool.kv[0, 0, match.indices, 0, 0].tolist() == [marker(key[:i + 1]) for i in range(len(match))]
+        self.expect_changes(())
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())

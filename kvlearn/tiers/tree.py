@@ -115,6 +115,8 @@ class TieredRadixCache(RadixCache):
         `len`) are the device part, the head of the path. `load_back` brings the rest."""
         match = super().match_prefix(key)
         off = sum(len(n.key) for n in self._path(match.last_node) if n.id in self._off_device)
+        if off:  # the walk touched the device node above the off-device tail: renew its heap entry
+            self._touch_leaf(self._above_off_device(match.last_node))
         return MatchResult(match.indices[:len(match) - off], match.last_node)
 
     def reachable_len(self, key) -> int:
@@ -206,6 +208,14 @@ class TieredRadixCache(RadixCache):
             self._off_unlocked -= len(node.key)
 
     # --- locking: off-device tokens change lock state too ---------------------------------------
+    def unlocked_on_path(self, node: TreeNode) -> int:
+        """Device tokens that `lock(node)` would move from evictable to protected (a pure query)."""
+        off, x = 0, node
+        while x is not self.root and x.id in self._off_device and not x.lock_ref:  # the off-device tail
+            off += len(x.key)
+            x = x.parent
+        return super().unlocked_on_path(node) - off
+
     def lock(self, node: TreeNode) -> None:
         super().lock(node)
         self._count_lock_change(node, now=1)
@@ -370,6 +380,12 @@ class TieredRadixCache(RadixCache):
                 parts.append(pool.kv.index_select(2, x.value[lo - offset:hi - offset].to(pool.device)).cpu())
             offset += len(x.key)
         return torch.cat(parts, dim=2)
+
+    def _above_off_device(self, node: TreeNode) -> TreeNode:
+        """The device node (maybe the root) above the off-device tail of `node`'s path."""
+        while node is not self.root and node.id in self._off_device:
+            node = node.parent
+        return node
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """The nodes from below the root down to `node`."""
