@@ -1,0 +1,127 @@
+"""Small teaching pictures for chapters 0, 2, 5 and 6 (matplotlib figures, saved with
+`kvlearn.viz.plots.save_figure`): what a cache saves, a packed step's mask, the free-block queue
+over time, and a requests x steps timeline of the engine."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grid(ax, grid, colors, labels, title):
+    """Draw an int grid with one colour per value and a legend naming the values."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="#999") for c in colors]
+    return handles, labels
+
+
+def draw_kv_reuse(num_prompt: int, num_new: int):
+    """Which keys and values each forward pass computes, without and with a KV cache: one row per
+    pass (the prefill, then one per new token), one column per token position."""
+    import matplotlib.pyplot as plt
+
+    steps, width = num_new, num_prompt + num_new - 1  # the last new token is never fed back
+    panels = []
+    for cached in (False, True):
+        grid = torch.zeros(steps, width, dtype=torch.int64)
+        for s in range(steps):
+            seen = num_prompt + s  # positions 0 .. seen-1 exist at pass s
+            first_new = (num_prompt + s - 1 if s else 0) if cached else 0
+            grid[s, :seen] = 1             # read from the cache
+            grid[s, first_new:seen] = 2    # computed in this pass
+        panels.append(grid)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.28 * steps + 1.6), sharey=True)
+    colors, labels = ["#ffffff", "#9ecae1", "#d6604d"], ["not yet", "read from the cache", "K and V computed"]
+    for ax, grid, title in zip(axes, panels, ("without a cache", "with a KV cache")):
+        handles, names = _grid(ax, grid, colors, labels, title)
+        ax.set_xlabel("token position")
+    axes[0].set_ylabel("forward pass")
+    axes[1].legend(handles[1:], names[1:], loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_packed_mask(metadata, names: list[str]):
+    """The mask of one packed step as an image: one panel per sequence, rows its new tokens,
+    columns its context; allowed (blue), causally hidden (white), padding (grey)."""
+    import matplotlib.pyplot as plt
+
+    query_lens = torch.diff(metadata.last_token.cpu(), prepend=torch.tensor([-1])).tolist()
+    kv_lens = metadata.kv_lens.tolist()
+    if len(names) != len(kv_lens):
+        raise ValueError(f"Give one name per sequence: {len(kv_lens)} sequences, {len(names)} names.")
+    mask = metadata.mask.reshape(len(kv_lens), -1, metadata.mask.shape[-1]).cpu()
+    rows, cols = max(query_lens), mask.shape[-1]
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1.5, 0.3 * rows + 1.6), squeeze=False)
+    colors, labels = ["#bdbdbd", "#ffffff", "#3182bd"], ["padding", "hidden (future)", "may attend"]
+    for ax, b, name in zip(axes[0], range(len(names)), names):
+        grid = torch.zeros(rows, cols, dtype=torch.int64)
+        q, n = query_lens[b], kv_lens[b]
+        grid[:q, :n] = 1
+        grid[:q][mask[b, :q].bool()] = 2
+        handles, labels = _grid(ax, grid, colors, labels, f"{name}: {q} new, {n} context")
+        ax.set_xlabel("context position")
+        ax.set_ylabel("new token")
+    axes[0, -1].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_free_queue(snapshots: list[tuple[str, list[int], list[int]]]):
+    """The order in which a block manager hands out blocks, after each event: one row per
+    (label, free pages, cached blocks least recently freed first); leftmost is handed out first."""
+    import matplotlib.pyplot as plt
+
+    width = max(len(free) + len(cached) for _, free, cached in snapshots)
+    fig, ax = plt.subplots(figsize=(0.55 * width + 3, 0.55 * len(snapshots) + 1.2))
+    for row, (label, free, cached) in enumerate(snapshots):
+        for col, (block, color) in enumerate([(b, "#ffffff") for b in free] + [(b, "#b7e1a1") for b in cached]):
+            ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, fc=color, ec="#555"))
+            ax.text(col + 0.47, row + 0.45, str(block), ha="center", va="center")
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(snapshots), 0)
+    ax.set_yticks([r + 0.45 for r in range(len(snapshots))], [label for label, _, _ in snapshots])
+    ax.set_xticks([])
+    ax.set_xlabel("handed out first  →  last")
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=c, ec="#555") for c in ("#ffffff", "#b7e1a1")]
+    ax.legend(handles, ["free page", "cached (evicted when taken)"], loc="upper left",
+              bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+TIMELINE_STATES = ("waiting", "prefill", "decode", "deferred", "preempted", "done")
+
+
+def timeline(reports, num_requests: int) -> torch.Tensor:
+    """[requests, steps] state codes (indices into TIMELINE_STATES) from the engine's step reports."""
+    grid = torch.zeros(num_requests, len(reports), dtype=torch.int64)
+    done = set()
+    for s, rep in enumerate(reports):
+        grid[sorted(done), s] = TIMELINE_STATES.index("done")
+        for state, rids in (("prefill", [r for r, _, _ in rep.prefills]), ("decode", rep.decodes),
+                            ("deferred", rep.deferred), ("preempted", rep.preempted)):
+            grid[rids, s] = TIMELINE_STATES.index(state)
+        done.update(rep.finished)
+    return grid
+
+
+def draw_timeline(reports, num_requests: int):
+    """A requests x steps picture of what the engine did with each request at each step."""
+    import matplotlib.pyplot as plt
+
+    grid = timeline(reports, num_requests)
+    colors = ["#f0f0f0", "#d6604d", "#4393c3", "#fdb863", "#000000", "#ffffff"]
+    fig, ax = plt.subplots(figsize=(0.4 * len(reports) + 3, 0.45 * num_requests + 1.3))
+    handles, labels = _grid(ax, grid, colors, list(TIMELINE_STATES), "what each request did at each step")
+    ax.set_xticks(range(len(reports)), [str(r.step) for r in reports])
+    ax.set_yticks(range(num_requests), [f"r{i}" for i in range(num_requests)])
+    ax.set_xlabel("step")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
