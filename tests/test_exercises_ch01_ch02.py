@@ -43,9 +43,11 @@ def test_ch02_cached_tokens():
     assert not ch02.check_cached_tokens(lambda c, n, bs: len(n) - 1)
 
 
-def test_ch02_ref_counts_and_reused_block():
-    assert ch02.check_ref_counts([2, 2, 1])
-    assert not ch02.check_ref_counts([2, 2, 2])
+def test_ch02_divergence_and_reused_block():
+    assert ch02.check_divergence(4, [0, 2, 1])  # block 1 half matches: no hit; then the free page, then evict
+    assert not ch02.check_divergence(6, [0, 2, 1])  # counted the matching tokens inside block 1
+    assert not ch02.check_divergence(4, [0, 1, 2])  # kept A's block 1 as if shared
+    assert not ch02.check_divergence(..., ...)  # a stub: "Not yet", no crash
     assert ch02.check_reused_block([3, 1, 0])  # the free page first, then X's blocks, freed longest ago
     assert not ch02.check_reused_block([3, 0, 1])
     assert not ch02.check_reused_block(3)

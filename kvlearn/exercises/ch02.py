@@ -1,4 +1,5 @@
-"""Chapter 2 exercises: how much of a prompt is cached, who holds a block, which blocks a new request gets."""
+"""Chapter 2 exercises: how much of a prompt is cached, a prompt that leaves a cached path inside a block,
+which blocks a new request gets."""
 
 from kvlearn.blocks import BlockManager
 from kvlearn.exercises import attempt, report
@@ -42,16 +43,22 @@ def check_cached_tokens(cached_tokens) -> bool:
     return report(True, "")
 
 
-def check_ref_counts(answer) -> bool:
-    """Exercise 2: block_size 4. A = tokens 0..9 is running and its KV is computed. B = tokens 0..7
-    followed by 50, 51 is allocated. What are the ref counts of A's blocks, in table order?"""
-    manager = BlockManager(8, 4)
-    a = _run(manager, list(range(10)), finish=False)
-    _run(manager, list(range(8)) + [50, 51], finish=False)
-    expected = [manager.blocks[b].ref_count for b in a.block_table]
-    ok = isinstance(answer, (list, tuple)) and list(answer) == expected
-    return report(ok, "a block's ref count is the number of live block tables that hold it; which of A's "
-                      "blocks are full, and which of those does B's prompt match?")
+DIVERGE_A, DIVERGE_B = list(range(10)), [0, 1, 2, 3, 4, 5, 99, 100, 101, 102, 103]
+
+
+def check_divergence(num_cached_tokens, block_table) -> bool:
+    """Exercise 2: BlockManager(3, block_size=4). A = DIVERGE_A (tokens 0..9) runs and finishes.
+    B = DIVERGE_B agrees with A on its first 6 tokens, so it leaves A's path inside block 1. How many
+    tokens does B take from the cache, and which blocks does it get, in table order?"""
+    manager = BlockManager(3, 4)
+    _run(manager, DIVERGE_A)
+    b = _run(manager, DIVERGE_B, finish=False)
+    if num_cached_tokens != b.num_cached_tokens:
+        return report(False, "a block is found by the hash of its whole prefix: B matches A's first block, "
+                             "but does B's second block hash like A's if only half of it agrees?")
+    ok = isinstance(block_table, (list, tuple)) and list(block_table) == b.block_table
+    return report(ok, "after A finishes, which of its blocks are cached and which are free pages? B takes its "
+                      "hit, then free pages, then evicts the least recently freed cached block.")
 
 
 def check_reused_block(answer) -> bool:
