@@ -288,19 +288,29 @@ def test_memory_pressure_same_tokens_and_no_leak(model, tokenizer, cache):
 
 
 @pytest.mark.slow
-def test_lpm_and_string_prompts_and_model_left_unchanged(model, tokenizer):
+@pytest.mark.parametrize("fast", [False, True])
+def test_lpm_and_string_prompts_and_model_left_unchanged(model, tokenizer, fast, monkeypatch):
     from kvlearn.model import chat_ids
 
     question = "Name a colour."
     ids = chat_ids(tokenizer, question)
     before = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
     attn = model.config._attn_implementation
-    engine = Engine(model, tokenizer, cache="radix", schedule="lpm", num_slots=512)
+    switches = []
+    original = type(model).set_attn_implementation
+    monkeypatch.setattr(type(model), "set_attn_implementation",
+                        lambda self, name: switches.append(name) or original(self, name))
+    engine = Engine(model, tokenizer, cache="radix", schedule="lpm", num_slots=512, fast=fast)
     outputs = engine.generate([question, ids], max_new_tokens=6)
+    # once in and once out per generate on the plain path, never on the fast one (not per step)
+    assert switches == ([] if fast else ["kvlearn_paged", attn])
     assert outputs[0].token_ids == outputs[1].token_ids == before[0, len(ids):].tolist()
     assert outputs[0].prompt_token_ids == ids
+    monkeypatch.undo()
     after = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     assert torch.equal(before, after) and model.config._attn_implementation == attn
+    assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for the JSON and the plot (default: the nearest figures/)")
     p.add_argument("--device", default=None, type=device_arg, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--plain", action="store_true",
+                   help="run kvlearn on the plain path the chapters teach, not its packed-weights fast path")
     return p
 
 
@@ -72,13 +74,13 @@ def main(argv: list[str]) -> int:
           f"on {model.device}")
     runs = systems + (["vllm"] if args.vllm_python else [])
     results = []
-    warm_up(model, tokenizer)
+    warm_up(model, tokenizer, fast=not args.plain)
     with tqdm(total=len(runs), desc="bench", unit="system") as bar:
         for system in runs:
             bar.set_postfix_str(system)
             if system in KVLEARN_SYSTEMS:
                 results.append(run_kvlearn(model, tokenizer, workload, system, args.max_new_tokens,
-                                           schedule=args.schedule)[0])
+                                           schedule=args.schedule, fast=not args.plain)[0])
             elif system == "hf":
                 results.append(run_hf_generate(model, workload, args.max_new_tokens))
             elif system == "hf-cb":
@@ -88,7 +90,7 @@ def main(argv: list[str]) -> int:
             bar.update()
     # One decode step of the workload's first 16 prompts on the runner's fast path, against a plain
     # read of as many bytes as the weights.
-    decode_step = step_efficiency(model, workload.prompt_lists()[:16], fast=True)
+    decode_step = step_efficiency(model, workload.prompt_lists()[:16], fast=not args.plain)
     print("\n" + table(results, workload))
     print(describe_efficiency(decode_step))
     print("\nbars (ratios measured in this run; timings vary with machine load):")

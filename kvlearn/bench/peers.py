@@ -53,14 +53,14 @@ class SystemResult:
 # --- the systems ----------------------------------------------------------------------------------
 
 def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens: int,
-                num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False):
-    """The kvlearn engine; the time includes building the engine (its KV pool). Returns the
-    result and the engine (for its cache and stats)."""
+                num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False, fast: bool = False):
+    """The kvlearn engine (`fast`: its packed-weights path); the time includes building the engine
+    (its KV pool, and the packed weights). Returns the result and the engine (for its cache and stats)."""
     from kvlearn.serving.engine import Engine, slots_without_sharing
 
     num_slots = num_slots or slots_without_sharing(workload.prompts, max_new_tokens)
     start = time.perf_counter()
-    engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule)
+    engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule, fast=fast)
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=progress)
     wall = time.perf_counter() - start
     s = engine.stats
@@ -175,13 +175,13 @@ def run_vllm(python: str, workload: Workload, max_new_tokens: int) -> SystemResu
     return SystemResult("vllm", result["outputs"], result["wall"])
 
 
-def warm_up(model, tokenizer) -> None:
+def warm_up(model, tokenizer, fast: bool = False) -> None:
     """One tiny run of each code path, so first-call costs (allocator, kernels) time no system."""
     from kvlearn.serving.engine import Engine
     from kvlearn.model import chat_ids
 
     ids = chat_ids(tokenizer, "Hi")
-    Engine(model, tokenizer, cache="radix", num_slots=256).generate([ids, ids], max_new_tokens=2)
+    Engine(model, tokenizer, cache="radix", num_slots=256, fast=fast).generate([ids, ids], max_new_tokens=2)
     with torch.no_grad():
         model.generate(torch.tensor([ids], device=model.device), max_new_tokens=2, do_sample=False)
 

@@ -71,7 +71,9 @@ class Engine:
     schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
     KV at once (rows of the ReqToTokenPool). plain_text: tokenize string prompts as plain text, so
     that a typed `<|im_start|>` cannot forge a chat turn (by default, as in transformers, it becomes
-    the control token; see `kvlearn.model.chat_ids`). host_slots, disk_dir, write_policy: chapter 8's tiers
+    the control token; see `kvlearn.model.chat_ids`). fast: run the model through the engine's own
+    packed copy of the weights (`kvlearn.fast`; the same tokens, several times faster on CPU, and
+    the model's size again in memory); the chapters teach the plain path. host_slots, disk_dir, write_policy: chapter 8's tiers
     below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
     folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
     cached. With both left at None there are no tiers.
@@ -86,7 +88,7 @@ class Engine:
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
                  page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
                  max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
-                 write_policy: str = "write_back", plain_text: bool = False):
+                 write_policy: str = "write_back", plain_text: bool = False, fast: bool = False):
         check_choice("cache", cache, CACHE_MODES)
         check_tier_options(cache, host_slots, disk_dir, write_policy)
         check_choice("schedule", schedule, SCHEDULES)
@@ -102,7 +104,7 @@ class Engine:
         self.model, self.tokenizer, self.cache_mode, self.plain_text = model, tokenizer, cache, bool(plain_text)
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, fast=fast)
         if host_slots is None and disk_dir is None:
             self.kv = make_kv_manager(cache, self.pool, max_running)
         else:
@@ -184,7 +186,7 @@ class Engine:
 
     def step(self) -> StepReport:
         """One scheduling step and one forward pass; returns what happened."""
-        with self._one_caller():
+        with self._one_caller(), self.runner.active():
             return self._step()
 
     def _step(self) -> StepReport:
@@ -211,7 +213,9 @@ class Engine:
         """Greedy-generate for every prompt (text or token ids); outputs in prompt order."""
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or token-id lists).")
-        with self._one_caller():
+        # One runner session for the whole call: the attention implementation is switched once, and
+        # put back when control returns to the caller (also on error).
+        with self._one_caller(), self.runner.active():
             requests = self._make_requests(prompts, max_new_tokens)
             if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
                 self.reset_stats()
