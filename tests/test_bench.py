@@ -131,21 +131,3 @@ def test_bad_demo_arguments_exit_with_usage(argv):
     with pytest.raises(SystemExit) as exit_info:
         demo.main(argv)
     assert exit_info.value.code == 2
-
-
-def test_exercise_checkers_accept_right_and_refuse_wrong_answers(capsys):
-    from kvlearn.exercises import ch06
-    from kvlearn.serving.workloads import unique_token_floor
-
-    assert ch06.check_unique_token_floor(unique_token_floor)
-    assert not ch06.check_unique_token_floor(lambda prompts: sum(map(len, prompts)))
-    assert not ch06.check_unique_token_floor(lambda prompts: 1 / 0)
-    # by hand: radix computes 9 + 2 + 1 (the floor); blocks of 4 share [1-4][5-8] with the second
-    # prompt and only [1-4] with the third (its last token sits in block 2): 9 + 2 + 3
-    assert ch06.check_computed_prefill(radix=12, blocks=14)
-    assert not ch06.check_computed_prefill(radix=12, blocks=12)
-    assert not ch06.check_computed_prefill(radix=26, blocks=14)
-    assert ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: -cached[r]))
-    assert not ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: (-cached[r], r)))
-    out = capsys.readouterr().out
-    assert out.count("OK") == 3 and out.count("Not yet") == 5

@@ -1,4 +1,5 @@
-"""Chapter 6 exercises: the unique-token floor, what each cache computes, and lpm's order."""
+"""Chapter 6 exercises: what radix computes with repeated prompts (is the floor reached?), what each cache
+computes, lpm's order, and why lpm can lose to fcfs although Theorem 3.1 favours it."""
 
 from kvlearn.exercises import attempt, report
 
@@ -7,22 +8,6 @@ EXERCISE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9],
                     [1, 2, 3, 4, 5, 6, 7, 8, 10, 11],
                     [1, 2, 3, 4, 5, 6, 20])
 EXERCISE_BLOCK_SIZE = 4
-
-
-def check_unique_token_floor(fn) -> bool:
-    """Exercise 1: `fn(prompts) -> int`, the number of distinct token prefixes across prompts."""
-    from kvlearn.serving.workloads import unique_token_floor
-
-    cases = [[], [[1]], [[1, 2, 3], [1, 2, 4]], [[1, 2], [1, 2]], [[5], [5, 6], [7]],
-             [[3, 1, 4, 1, 5], [3, 1, 4, 2], [2, 7, 1], [3, 1]], [list(range(50)), list(range(25)) + [99]]]
-    for prompts in cases:
-        got, error = attempt(fn, [list(p) for p in prompts])
-        if error:
-            return report(False, f"{error} on {prompts}.")
-        if got != unique_token_floor(prompts):
-            return report(False, f"for {prompts} the floor is {unique_token_floor(prompts)}, you returned {got}. "
-                                 "Count every prefix p[:i] (i >= 1) once, however many prompts start with it.")
-    return report(True, "")
 
 
 def check_computed_prefill(radix: int, blocks: int) -> bool:
@@ -56,3 +41,59 @@ def check_lpm_order(fn) -> bool:
             return report(False, f"for waiting={waiting}, cached={cached} lpm tries {want}, you gave {got}. "
                                  "Ties keep their arrival order.")
     return report(True, "")
+
+
+FLOOR_CASES = [[[1, 2, 3], [1, 2, 3]], [[1, 2, 3, 4], [1, 2]], [[1, 2], [1, 2, 3, 4]], [[1, 2, 3]] * 3,
+               [[5, 6, 7], [1, 2, 3], [5, 6, 7], [5, 6]], [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5], [1, 2, 3]],
+               [[4, 4], [4, 4, 4], [4]]]
+
+
+def check_radix_prefill(fn) -> bool:
+    """Exercise 1: `fn(prompts) -> int`, the prompt tokens the radix engine computes when the prompts
+    are submitted together (fcfs, a roomy pool): the floor, plus what the floor cannot see."""
+    from kvlearn.serving.simulate import simulate
+
+    for prompts in FLOOR_CASES:
+        want = simulate(prompts, "radix", max_new_tokens=1)["computed_prefill_tokens"]
+        got, error = attempt(fn, [list(p) for p in prompts])
+        if error or got != want:
+            return report(False, error or f"for {prompts} radix computes {want}, you said {got}. The floor counts "
+                          "each prefix once; but which token does a prompt always compute, even when the tree "
+                          "already holds all of it?")
+    return report(True, "")
+
+
+THEOREM_CHOICES = {
+    "a": "the requests are not all known in advance",
+    "b": "the pool cannot hold the longest request",
+    "c": "many requests run at once: their growing outputs take slots from the cache and preemptions discard work",
+}
+
+
+def theorem_workload():
+    """Exercise 4's workload: the notebook's 18 few-shot requests."""
+    from kvlearn.model import load_tokenizer
+    from kvlearn.serving.workloads import make_workload
+
+    return make_workload("few_shot", load_tokenizer(), num_requests=18)
+
+
+def check_theorem(computed_1: dict, preemptions_16: dict, broken: str) -> bool:
+    """Exercise 4: on theorem_workload() with a 320-slot radix pool, the prompt tokens fcfs and lpm
+    compute when each request generates 1 token, the preemptions each suffers with 16, and the letter
+    of the Theorem 3.1 assumption (THEOREM_CHOICES) that the 16-token run breaks."""
+    from kvlearn.serving.simulate import simulate
+
+    if not (isinstance(computed_1, dict) and isinstance(preemptions_16, dict)):
+        return report(False, "give two dicts {'fcfs': .., 'lpm': ..}: tokens computed with 1 output token, "
+                             "preemptions with 16.")
+    workload = theorem_workload()
+    want = {n: {s: simulate(workload, "radix", max_new_tokens=n, num_slots=320, schedule=s)
+                for s in ("fcfs", "lpm")} for n in (1, 16)}
+    if computed_1 != {s: want[1][s]["computed_prefill_tokens"] for s in want[1]}:
+        return report(False, "measure computed_prefill_tokens with simulate(few, 'radix', max_new_tokens=1, "
+                             "num_slots=320, schedule=s) for s in ('fcfs', 'lpm'); give a dict {'fcfs': .., 'lpm': ..}.")
+    if preemptions_16 != {s: want[16][s]["preemptions"] for s in want[16]}:
+        return report(False, "measure stats['preemptions'] the same way with max_new_tokens=16.")
+    return report(broken == "c", "the theorem holds the requests fixed and known, and 320 slots hold the longest "
+                                 "request: which of its pictures differs from an engine that batches?")

@@ -1,0 +1,43 @@
+"""The chapter 6 checkers added by the teaching pass accept a right answer and refuse wrong ones."""
+
+from kvlearn.exercises import ch06
+from kvlearn.serving.workloads import unique_token_floor
+
+
+def radix_prefill(prompts):
+    repeats = sum(any(earlier[:len(p)] == p for earlier in prompts[:i]) for i, p in enumerate(prompts))
+    return unique_token_floor(prompts) + repeats
+
+
+def test_radix_prefill():
+    assert ch06.check_radix_prefill(radix_prefill)
+    assert not ch06.check_radix_prefill(unique_token_floor)  # the floor alone misses the recomputed last tokens
+    assert not ch06.check_radix_prefill(lambda prompts: None)  # a stub
+    assert not ch06.check_radix_prefill(lambda prompts: 1 / 0)
+
+
+def test_theorem():
+    from kvlearn.serving.simulate import simulate
+
+    few_shot = ch06.theorem_workload()
+    measure = {n: {s: simulate(few_shot, "radix", max_new_tokens=n, num_slots=320, schedule=s)
+                   for s in ("fcfs", "lpm")} for n in (1, 16)}
+    computed = {s: measure[1][s]["computed_prefill_tokens"] for s in ("fcfs", "lpm")}
+    preempted = {s: measure[16][s]["preemptions"] for s in ("fcfs", "lpm")}
+    assert computed["lpm"] <= computed["fcfs"] and preempted["lpm"] > preempted["fcfs"]  # the lesson holds
+    assert ch06.check_theorem(computed, preempted, "c")
+    assert not ch06.check_theorem(computed, preempted, "b")
+    assert not ch06.check_theorem({"fcfs": 551, "lpm": 630}, preempted, "c")  # the 16-token counts
+    assert not ch06.check_theorem(computed, {"fcfs": 0, "lpm": 0}, "c")
+    assert not ch06.check_theorem(..., ..., ...)  # the stubs
+
+
+def test_computed_prefill_and_lpm_order():
+    # by hand: radix computes 9 + 2 + 1 (the floor); blocks of 4 share [1-4][5-8] with the second
+    # prompt and only [1-4] with the third (its last token sits in block 2): 9 + 2 + 3
+    assert ch06.check_computed_prefill(radix=12, blocks=14)
+    assert not ch06.check_computed_prefill(radix=12, blocks=12)
+    assert not ch06.check_computed_prefill(radix=26, blocks=14)
+    assert ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: -cached[r]))
+    assert not ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: (-cached[r], r)))
+    assert not ch06.check_lpm_order(lambda waiting, cached: 1 / 0)
