@@ -5,21 +5,18 @@ import torch
 from kvlearn.exercises import ch04, ch05
 
 
-def slots_for_budget(budget, layers, kv_heads, head_dim, dtype_bytes, page_size):
-    per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    return budget // per_token // page_size * page_size
+def paged_row(a_row, shared, b_len, new_pages, page_size):
+    reused = shared // page_size * page_size
+    fresh = [p * page_size + i for p in new_pages for i in range(page_size)]
+    return a_row[:reused] + fresh[:b_len - reused]
 
 
-def test_ch04_slots_for_budget():
-    assert ch04.check_slots_for_budget(slots_for_budget)
-    assert not ch04.check_slots_for_budget(lambda b, l, h, d, n, p: b // (l * h * d * n))  # forgot V
-    assert not ch04.check_slots_for_budget(lambda b, l, h, d, n, p: b // (2 * l * h * d * n))  # partial pages
-
-
-def test_ch04_page_slots():
-    assert ch04.check_page_slots(lambda pages, size: [p * size + i for p in pages for i in range(size)])
-    assert not ch04.check_page_slots(lambda pages, size: [p * size + i for p in sorted(pages) for i in range(size)])
-    assert not ch04.check_page_slots(lambda pages, size: 1 / 0)
+def test_ch04_paged_row():
+    assert ch04.check_paged_row(paged_row)
+    assert ch04.check_paged_row(lambda *args: torch.tensor(paged_row(*args)))  # a tensor row is fine
+    assert not ch04.check_paged_row(lambda a, s, n, p, ps: a[:s] + [q * ps + i for q in p for i in range(ps)][:n - s])
+    assert not ch04.check_paged_row(lambda a, s, n, p, ps: paged_row(a, s, n, sorted(p), ps))  # pages reordered
+    assert not ch04.check_paged_row(lambda *args: None)  # a stub
 
 
 def test_ch04_free_is_legal():
@@ -31,14 +28,6 @@ def test_ch04_free_is_legal():
     assert not ch04.check_free_is_legal(lambda flags, slots: all(0 <= s < len(flags) and not flags[s] for s in slots))
 
 
-def positions_and_slots(query_lens, kv_indices):
-    positions, slots = [], []
-    for q, ctx in zip(query_lens, kv_indices):
-        positions += range(len(ctx) - q, len(ctx))
-        slots += ctx[len(ctx) - q:]
-    return positions, slots
-
-
 def build_mask(query_lens, kv_lens):
     mask = torch.zeros(len(query_lens), max(query_lens), max(kv_lens), dtype=torch.bool)
     for b, (q, n) in enumerate(zip(query_lens, kv_lens)):
@@ -47,11 +36,20 @@ def build_mask(query_lens, kv_lens):
     return mask
 
 
-def test_ch05_positions_and_slots():
-    assert ch05.check_positions_and_slots(positions_and_slots)
-    assert not ch05.check_positions_and_slots(
-        lambda q, kv: ([p for n in q for p in range(n)], [s for n, c in zip(q, kv) for s in c[:n]]))  # first tokens
-    assert not ch05.check_positions_and_slots(lambda q, kv: 7)  # not a pair: "Not yet", not a crash
+def chunk_step(slots, start, end):
+    positions = list(range(start, end))
+    mask = torch.zeros(end - start, end, dtype=torch.bool)
+    for i in range(end - start):
+        mask[i, :start + i + 1] = True
+    return positions, slots[start:end], mask
+
+
+def test_ch05_chunk():
+    assert ch05.check_chunk(chunk_step)
+    assert not ch05.check_chunk(lambda s, a, b: (list(range(b - a)), s[a:b], chunk_step(s, a, b)[2]))  # restarts at 0
+    assert not ch05.check_chunk(lambda s, a, b: (*chunk_step(s, a, b)[:2], torch.ones(b - a, b - a).tril().bool()))
+    assert not ch05.check_chunk(lambda s, a, b: None)  # a stub
+    assert not ch05.check_chunk(lambda s, a, b: 7)
 
 
 def test_ch05_mask():

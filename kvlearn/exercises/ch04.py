@@ -1,48 +1,43 @@
-"""Chapter 4 exercises: size a pool from a budget, slots of pages, when a free is legal."""
+"""Chapter 4 exercises: a paged req_to_token row after a partial hit, when a free is legal."""
 
 import torch
 
 from kvlearn.exercises import attempt, report
-from kvlearn.memory import KVConfig
 from kvlearn.pool import KVPool
 
 
-def check_slots_for_budget(slots_for_budget) -> bool:
-    """Exercise 1: `slots_for_budget(budget_bytes, num_layers, num_kv_heads, head_dim, dtype_bytes,
-    page_size)` returns how many slots a pool of whole pages can have within the budget."""
-    dtypes = {2: torch.bfloat16, 4: torch.float32}
-    cases = [(1 << 30, 30, 3, 64, 4, 1), (1 << 30, 30, 3, 64, 2, 16), (10**9, 32, 8, 128, 2, 16),
-             (46_080 * 17, 30, 3, 64, 4, 16), (123_456_789, 2, 1, 8, 4, 3)]
-    for budget, layers, kv_heads, head_dim, nbytes, page in cases:
-        cfg = KVConfig("case", "GQA", layers, kv_heads, kv_heads, head_dim)
-        expected = KVPool.slots_for_budget(cfg, budget, dtypes[nbytes], page)
-        got, error = attempt(slots_for_budget, budget, layers, kv_heads, head_dim, nbytes, page)
-        if error or got != expected:
-            return report(False, error or f"budget={budget}, layers={layers}, kv_heads={kv_heads}, head_dim="
-                          f"{head_dim}, dtype_bytes={nbytes}, page_size={page}: expected {expected}, got {got}. "
-                          "Bytes per token count K and V; then keep only whole pages.")
-    return report(True, "")
+def _expected_row(a_row, shared, b_len, new_pages, page_size):
+    reused = shared // page_size * page_size  # whole pages only: the rest of a page is A's to write
+    fresh = [p * page_size + i for p in new_pages for i in range(page_size)]
+    return list(a_row[:reused]) + fresh[:b_len - reused]
 
 
-def check_page_slots(page_slots) -> bool:
-    """Exercise 2: `page_slots(pages, page_size)` returns the slot ids (a list) of these pages, in
-    order, as `KVPool.alloc` hands them out."""
-    for page_size in (1, 4, 16):
-        pool = KVPool(1, 1, 1, 8 * page_size, page_size=page_size, device="cpu")
-        held = pool.alloc(6 * page_size).reshape(6, page_size)
-        for page in (4, 1, 3):  # freed pages are handed out again last-freed first: out of order
-            pool.free(held[page])
-        expected = pool.alloc(5 * page_size)
-        pages = (expected[::page_size] // page_size).tolist()
-        got, error = attempt(page_slots, pages, page_size)
-        if error or not isinstance(got, (list, tuple)) or list(got) != expected.tolist():
-            return report(False, error or f"pages={pages}, page_size={page_size}: expected "
-                          f"{expected.tolist()}, got {got}. Page p starts at slot p * page_size.")
+# (A's row, tokens B shares with A, B's length, pages handed out for B, page size)
+ROW_CASES = [([20, 21, 22, 23, 8, 9, 10, 11, 28, 29], 6, 11, [3, 0], 4),
+             ([20, 21, 22, 23, 8, 9, 10, 11, 28, 29], 8, 9, [6], 4),
+             ([4, 5, 6, 7, 0, 1], 3, 5, [3, 2], 2),
+             ([12, 13, 14, 15], 2, 4, [0], 4),
+             ([7, 3, 9], 2, 4, [1, 5], 1)]
+
+
+def check_paged_row(paged_row) -> bool:
+    """Exercise 1: `paged_row(a_row, shared, b_len, new_pages, page_size)` returns request B's
+    req_to_token row (a list of slots): B agrees with request A (whose row is `a_row`) on its first
+    `shared` tokens, the paged cache lets B borrow A's slots for whole pages only, and B's other
+    tokens go to the pages `new_pages`, in order."""
+    for a_row, shared, b_len, new_pages, page_size in ROW_CASES:
+        want = _expected_row(a_row, shared, b_len, new_pages, page_size)
+        got, error = attempt(paged_row, list(a_row), shared, b_len, list(new_pages), page_size)
+        row, _ = attempt(lambda: [int(s) for s in got])
+        if error or row != want:
+            return report(False, error or f"a_row={a_row}, shared={shared}, b_len={b_len}, new_pages={new_pages}, "
+                          f"page_size={page_size}: expected {want}, got {got}. B may borrow A's slots only for "
+                          "whole pages (the rest of a page belongs to A); page p holds slots p * page_size onwards.")
     return report(True, "")
 
 
 def check_free_is_legal(free_is_legal) -> bool:
-    """Exercise 3: `free_is_legal(free_flags, slots)` says whether `KVPool.free(slots)` (page_size 1)
+    """Exercise 2: `free_is_legal(free_flags, slots)` says whether `KVPool.free(slots)` (page_size 1)
     would accept these slots, given `free_flags[i]` = slot i is free now."""
     flags = [False, True, False, False, True, False]
     cases = [[0, 2], [1], [0, 0], [6], [-1], [], [3, 5, 2, 0], [5, 4]]

@@ -125,3 +125,25 @@ def draw_timeline(reports, num_requests: int):
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     return fig
+
+
+def plot_reuse_vs_block_size(block_sizes, blocks: dict, radix: dict, total: dict):
+    """Chapter 3: prompt tokens reused per workload, as a fraction of its prompt tokens, for block
+    hashes of each size (`blocks[size][workload]`) against the page-1 radix tree (`radix[workload]`)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for k, name in enumerate(total):
+        ax.plot(block_sizes, [blocks[b][name] / total[name] for b in block_sizes], "o-", color=f"C{k}",
+                label=f"{name}: block hashes")
+        ax.axhline(radix[name] / total[name], color=f"C{k}", linestyle="--", label=f"{name}: radix tree")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("prompt tokens reused")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.legend(fontsize=7, ncol=1, loc="lower left")
+    ax.set_title("Prefix reuse: radix tree (page 1) vs full-block hashes")
+    fig.tight_layout()
+    return fig
