@@ -178,7 +178,7 @@ def test_approx_tree_evicts_leaves_first_and_reports_memory():
 
 
 def test_cache_aware_follows_its_own_decisions():
-    p = CacheAware(3, page_size=2, balance_abs_threshold=100)
+    p = CacheAware(3, tree_page_size=2, balance_abs_threshold=100)
     system = list(range(100, 140))
     first = p.choose(req(system + [1, 2]), view(3, inflight=[0, 0, 0]))
     p.routed(req(system + [1, 2]), first)
@@ -189,7 +189,7 @@ def test_cache_aware_follows_its_own_decisions():
 
 
 def test_cache_aware_low_match_and_imbalance_go_to_the_least_loaded():
-    p = CacheAware(3, page_size=2, cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    p = CacheAware(3, tree_page_size=2, cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
     prompt = list(range(20))
     p.routed(req(prompt), 0)
     assert p.choose(req(list(range(500, 520))), view(3, inflight=[3, 2, 1])) == 2        # no match
@@ -199,7 +199,7 @@ def test_cache_aware_low_match_and_imbalance_go_to_the_least_loaded():
 
 
 def test_cache_aware_ties_go_to_the_less_loaded_holder():
-    p = CacheAware(3, page_size=2)
+    p = CacheAware(3, tree_page_size=2)
     prompt = list(range(10))
     p.routed(req(prompt), 0)
     p.routed(req(prompt), 2)
@@ -207,7 +207,7 @@ def test_cache_aware_ties_go_to_the_less_loaded_holder():
 
 
 def test_cache_aware_trees_are_bounded():
-    p = CacheAware(2, page_size=4, max_tree_pages=10)
+    p = CacheAware(2, tree_page_size=4, max_tree_pages=10)
     rng = random.Random(0)
     for _ in range(50):
         r = req([rng.randrange(1000) for _ in range(40)])

@@ -25,12 +25,13 @@ class Sticky(Policy):
 
 def test_thresholds_checker(capsys):
     assert ch07.check_thresholds(0.3, 4, 1.5)
+    assert not ch07.check_thresholds(0.3, 8, 1.5)         # the defaults leave the hot tenant too heavy
     assert not ch07.check_thresholds(0.3, 10**9, 1.5)     # no balancing: the hot tenant piles up
     assert not ch07.check_thresholds(0.3, 0, 1.0)         # always balancing: affinity is lost
     assert not ch07.check_thresholds(..., ..., ...)
     assert not ch07.check_thresholds(2.0, 4, 1.5)         # out of range: a hint, not a crash
     out = capsys.readouterr().out
-    assert out.count(OK) == 1 and out.count(NOT_YET) == 4 and "piles up" in out and "cache_threshold" in out
+    assert out.count(OK) == 1 and out.count(NOT_YET) == 5 and "piles up" in out and "cache_threshold" in out
 
 
 def test_policy_checker(capsys):

@@ -11,7 +11,7 @@ NUM_REPLICAS = 6
 def _hot_trace():
     from kvlearn.routing.traces import multi_tenant_trace
 
-    return tuple(multi_tenant_trace(600, num_tenants=16, rate=30, hot_tenant_share=0.5, seed=7))
+    return tuple(multi_tenant_trace(600, num_tenants=16, output_tokens=(8, 48), rate=4, hot_tenant_share=0.5, seed=7))
 
 
 @lru_cache(maxsize=None)
@@ -23,8 +23,8 @@ def _baseline(policy: str):
 
 def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_threshold) -> bool:
     """Exercise 1: thresholds for cache_aware on the hot-tenant trace (600 requests, 6 replicas)
-    that keep its hit rate at least 15 points above least_load's AND its load imbalance within
-    0.15 of least_load's."""
+    that keep its hit rate at least 10 points above least_load's AND its load imbalance within
+    0.08 of least_load's (SGLang's defaults scaled to kvlearn, 0.3 / 8 / 1.5, miss the second)."""
     from kvlearn.routing.fleet import simulate_fleet
 
     if any(x is ... or x is None for x in (cache_threshold, balance_abs_threshold, balance_rel_threshold)):
@@ -36,10 +36,10 @@ def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_thresho
     if error:
         return report(False, error)
     least = _baseline("least_load")
-    if result.hit_rate < least.hit_rate + 0.15:
+    if result.hit_rate < least.hit_rate + 0.10:
         return report(False, f"hit rate {result.hit_rate:.1%} vs least_load's {least.hit_rate:.1%}: affinity gave up "
                              "too often. Raise the balance thresholds, or lower cache_threshold.")
-    if result.load_imbalance > least.load_imbalance + 0.15:
+    if result.load_imbalance > least.load_imbalance + 0.08:
         return report(False, f"load imbalance {result.load_imbalance:.2f} vs least_load's {least.load_imbalance:.2f}: "
                              "the hot tenant piles up. Lower balance_abs_threshold or balance_rel_threshold.")
     return report(True, "")
@@ -53,7 +53,8 @@ def check_policy(policy_class) -> bool:
     from kvlearn.routing.policies import Policy
     from kvlearn.routing.traces import multi_tenant_trace
 
-    trace = multi_tenant_trace(300, num_tenants=4, system_tokens=(40, 80), mean_turns=4, seed=11)
+    trace = multi_tenant_trace(300, num_tenants=4, system_tokens=(40, 80), output_tokens=(8, 48), mean_turns=4, rate=3,
+                               seed=11)
     policy, error = attempt(policy_class, NUM_REPLICAS)
     if error or not isinstance(policy, Policy):
         return report(False, error or "policy_class(num_replicas) must return a kvlearn Policy (subclass Policy).")

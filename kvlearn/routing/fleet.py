@@ -315,7 +315,7 @@ def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: 
     if cache not in CACHE_MODES:
         raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
     if policy == "cache_aware":   # by default the router's guess of a replica is as big as its pool
-        policy_options.setdefault("max_tree_pages", slots_per_replica // policy_options.get("page_size", 16) or 1)
+        policy_options.setdefault("max_tree_pages", slots_per_replica // policy_options.get("tree_page_size", 16) or 1)
     if isinstance(policy, str):
         policy = make_policy(policy, num_replicas, **policy_options)
     replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_running)

@@ -218,16 +218,16 @@ class AffinityRule(Policy):
 
 
 class CacheAware(AffinityRule):
-    """The rule on approximate per-replica trees of `page_size`-token pages, kept from the router's
-    own decisions; each tree holds at most `max_tree_pages` pages (LRU), as SGLang bounds its tree."""
+    """The rule on approximate per-replica trees of `tree_page_size`-token pages, kept from the
+    router's own decisions; each tree holds at most `max_tree_pages` pages (LRU), as SGLang bounds its tree."""
 
     name = "cache_aware"
 
-    def __init__(self, num_replicas: int, page_size: int = 16, max_tree_pages: int = 1 << 14, **thresholds):
+    def __init__(self, num_replicas: int, tree_page_size: int = 16, max_tree_pages: int = 1 << 14, **thresholds):
         super().__init__(**thresholds)
-        check_positive_int("page_size", page_size)
+        check_positive_int("tree_page_size", tree_page_size)
         check_positive_int("max_tree_pages", max_tree_pages)
-        self.page_size = page_size
+        self.page_size = tree_page_size
         self.trees = [ApproxTree(max_tree_pages) for _ in range(num_replicas)]
         self._hashes: tuple = (None, [])      # (request, its page hashes): computed once per request
 
