@@ -21,5 +21,6 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     assert "kvlearn/exercises" in subpackages and "kvlearn/serving" in subpackages
     for package in subpackages:
         assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel"
-    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "kvlearn").rglob("*.py")}
-    assert modules <= names, f"modules missing from the wheel: {sorted(modules - names)}"
+    files = {str(p.relative_to(ROOT)) for pattern in ("*.py", "*.json") for p in (ROOT / "kvlearn").rglob(pattern)}
+    assert "kvlearn/routing/time_model.json" in files
+    assert files <= names, f"files missing from the wheel: {sorted(files - names)}"
