@@ -19,6 +19,13 @@ def test_ch04_paged_row():
     assert not ch04.check_paged_row(lambda *args: None)  # a stub
 
 
+def test_ch04_freed_slots():
+    assert ch04.check_freed_slots([12, 13, 14, 15, 0, 1, 2, 3])
+    assert not ch04.check_freed_slots([12, 13, 14, 15, 0, 1, 2])  # page 0's unwritten slot is freed too
+    assert not ch04.check_freed_slots([20, 21, 22, 23, 12, 13, 14, 15, 0, 1, 2, 3])  # A's page is A's
+    assert not ch04.check_freed_slots(...)
+
+
 def test_ch04_free_is_legal():
     def legal(flags, slots):
         return (all(0 <= s < len(flags) for s in slots) and len(set(slots)) == len(slots)

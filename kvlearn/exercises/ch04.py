@@ -1,4 +1,5 @@
-"""Chapter 4 exercises: a paged req_to_token row after a partial hit, when a free is legal."""
+"""Chapter 4 exercises: a paged req_to_token row after a partial hit, what its owner frees, when a free
+is legal."""
 
 import torch
 
@@ -37,7 +38,7 @@ def check_paged_row(paged_row) -> bool:
 
 
 def check_free_is_legal(free_is_legal) -> bool:
-    """Exercise 2: `free_is_legal(free_flags, slots)` says whether `KVPool.free(slots)` (page_size 1)
+    """Exercise 3: `free_is_legal(free_flags, slots)` says whether `KVPool.free(slots)` (page_size 1)
     would accept these slots, given `free_flags[i]` = slot i is free now."""
     flags = [False, True, False, False, True, False]
     cases = [[0, 2], [1], [0, 0], [6], [-1], [], [3, 5, 2, 0], [5, 4]]
@@ -55,3 +56,13 @@ def check_free_is_legal(free_is_legal) -> bool:
             return report(False, error or f"free_flags={flags}, slots={slots}: expected {expected}, got {got}. "
                           "Check the range, slots that are already free, and the same slot listed twice.")
     return report(True, "")
+
+
+def check_freed_slots(answer) -> bool:
+    """Exercise 2: request B of exercise 1's first case (ROW_CASES[0]) finishes while A still runs.
+    Which slots does B give back to the pool (a list, in any order)?"""
+    a_row, shared, b_len, new_pages, page_size = ROW_CASES[0]
+    want = sorted(p * page_size + i for p in new_pages for i in range(page_size))
+    ok = isinstance(answer, (list, tuple)) and sorted(answer) == want
+    return report(ok, "B frees only what it owns: borrowed slots stay with A, and the pool takes pages back "
+                      "whole, the slot B never wrote included.")

@@ -147,3 +147,28 @@ def plot_reuse_vs_block_size(block_sizes, blocks: dict, radix: dict, total: dict
     ax.set_title("Prefix reuse: radix tree (page 1) vs full-block hashes")
     fig.tight_layout()
     return fig
+
+
+def draw_strip(graphs, captions: list[str] | None = None, columns: int = 2):
+    """Graphviz pictures side by side (with captions, if the pictures carry none), as one matplotlib
+    figure: a PNG reads well where a widget or an SVG output does not (GitHub, HTML exports,
+    untrusted notebooks)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    graphs = list(graphs)
+    captions = [""] * len(graphs) if captions is None else list(captions)
+    if len(graphs) != len(captions) or not graphs:
+        raise ValueError(f"Give at least one picture, and one caption per picture: {len(graphs)} pictures, "
+                         f"{len(captions)} captions.")
+    images = [plt.imread(io.BytesIO(g.pipe(format="png")), format="png") for g in graphs]
+    rows = -(-len(images) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption in zip(axes.flat, images, captions):
+        ax.imshow(image)
+        ax.set_title(caption, fontsize=9)
+    fig.tight_layout()
+    return fig
