@@ -11,7 +11,7 @@ NUM_REPLICAS = 6
 def _hot_trace():
     from kvlearn.routing.traces import multi_tenant_trace
 
-    return tuple(multi_tenant_trace(600, num_tenants=16, output_tokens=(8, 48), rate=4, hot_tenant_share=0.5, seed=7))
+    return tuple(multi_tenant_trace(600, num_tenants=16, output_tokens=(8, 48), rate=8, hot_tenant_share=0.5, seed=7))
 
 
 @lru_cache(maxsize=None)
@@ -24,7 +24,7 @@ def _baseline(policy: str):
 def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_threshold) -> bool:
     """Exercise 1: thresholds for cache_aware on the hot-tenant trace (600 requests, 6 replicas)
     that keep its hit rate at least 10 points above least_load's AND its load imbalance within
-    0.08 of least_load's (SGLang's defaults scaled to kvlearn, 0.3 / 8 / 1.5, miss the second)."""
+    0.10 of least_load's (kvlearn's defaults, 0.3 / 8 / 1.5, miss the second)."""
     from kvlearn.routing.fleet import simulate_fleet
 
     if any(x is ... or x is None for x in (cache_threshold, balance_abs_threshold, balance_rel_threshold)):
@@ -39,7 +39,7 @@ def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_thresho
     if result.hit_rate < least.hit_rate + 0.10:
         return report(False, f"hit rate {result.hit_rate:.1%} vs least_load's {least.hit_rate:.1%}: affinity gave up "
                              "too often. Raise the balance thresholds, or lower cache_threshold.")
-    if result.load_imbalance > least.load_imbalance + 0.08:
+    if result.load_imbalance > least.load_imbalance + 0.10:
         return report(False, f"load imbalance {result.load_imbalance:.2f} vs least_load's {least.load_imbalance:.2f}: "
                              "the hot tenant piles up. Lower balance_abs_threshold or balance_rel_threshold.")
     return report(True, "")
