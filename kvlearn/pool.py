@@ -192,7 +192,8 @@ class ReqToTokenPool:
         check_positive_int("max_requests", max_requests)
         check_positive_int("max_context_len", max_context_len)
         self.device = resolve_device(device)
-        self.req_to_token = torch.zeros(max_requests, max_context_len, dtype=torch.int64, device=self.device)
+        # empty, not zeros: a row is only read up to its length, and untouched rows cost no memory
+        self.req_to_token = torch.empty(max_requests, max_context_len, dtype=torch.int64, device=self.device)
         self.lengths = [0] * max_requests
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._live = [False] * max_requests
