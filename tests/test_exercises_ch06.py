@@ -32,12 +32,9 @@ def test_theorem():
     assert not ch06.check_theorem(..., ..., ...)  # the stubs
 
 
-def test_computed_prefill_and_lpm_order():
+def test_computed_prefill():
     # by hand: radix computes 9 + 2 + 1 (the floor); blocks of 4 share [1-4][5-8] with the second
     # prompt and only [1-4] with the third (its last token sits in block 2): 9 + 2 + 3
     assert ch06.check_computed_prefill(radix=12, blocks=14)
     assert not ch06.check_computed_prefill(radix=12, blocks=12)
     assert not ch06.check_computed_prefill(radix=26, blocks=14)
-    assert ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: -cached[r]))
-    assert not ch06.check_lpm_order(lambda waiting, cached: sorted(waiting, key=lambda r: (-cached[r], r)))
-    assert not ch06.check_lpm_order(lambda waiting, cached: 1 / 0)
