@@ -33,7 +33,9 @@ def tiny_model(vocab_size: int = 64):
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    # float64: a random model's logits lie close together, and the cache changes the order of float
+    # sums (another batch, a reused prefix); in float64 no near-tie flips a greedy token.
+    return LlamaForCausalLM(config).to(torch.float64).eval()
 
 
 def owner(engine, path: str):
