@@ -57,7 +57,7 @@ def check_demotions(answer) -> bool:
     tree._evict_device = spy
     tree.evict(5)
     assert before >= set(order)
-    if list(answer or []) != order:
+    if not isinstance(answer, (list, tuple)) or list(answer) != order:  # a stub (...) is "Not yet" too
         return report(False, "only nodes none of whose children is on the device are candidates, least "
                              "recently used first (t= in tiers_text); a parent joins once its children left.")
     return report(True, "")

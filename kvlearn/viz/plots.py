@@ -2,7 +2,9 @@
 
 Figures go where the user works, never into the installed package: `$KVLEARN_FIGURES` when set,
 else the nearest `figures/` folder in the current directory or above it (the course's figures/,
-whether a notebook runs in notebooks/ or a command at the top of a clone), else ./figures.
+whether a notebook runs in notebooks/ or a command at the top of a clone), else the figures/ of the
+clone kvlearn was installed from (a copy of the notebooks elsewhere, e.g. student copies), else
+./figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ def figures_dir() -> Path:
     for folder in (here, *here.parents):
         if (folder / "figures").is_dir():
             return folder / "figures"
+    clone = Path(__file__).resolve().parents[2]  # kvlearn/viz/plots.py -> the folder holding kvlearn/
+    if (clone / "figures").is_dir() and (clone / "notebooks").is_dir():
+        return clone / "figures"
     return here / "figures"
 
 
