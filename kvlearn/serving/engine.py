@@ -76,7 +76,8 @@ class Engine:
     the model's size again in memory); the chapters teach the plain path. host_slots, disk_dir, write_policy: chapter 8's tiers
     below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
     folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
-    cached. With both left at None there are no tiers.
+    cached. With both left at None there are no tiers. disk_max_bytes: the disk tier's capacity
+    (least recently used pages are deleted first); None: no limit.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError.
@@ -88,9 +89,10 @@ class Engine:
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
                  page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
                  max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
-                 write_policy: str = "write_back", plain_text: bool = False, fast: bool = False):
+                 write_policy: str = "write_back", disk_max_bytes: int | None = None, plain_text: bool = False,
+                 fast: bool = False):
         check_choice("cache", cache, CACHE_MODES)
-        check_tier_options(cache, host_slots, disk_dir, write_policy)
+        check_tier_options(cache, host_slots, disk_dir, write_policy, disk_max_bytes)
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         check_positive_int("max_running", max_running)
@@ -108,7 +110,8 @@ class Engine:
         if host_slots is None and disk_dir is None:
             self.kv = make_kv_manager(cache, self.pool, max_running)
         else:
-            self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running)
+            self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running,
+                                     disk_max_bytes)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()

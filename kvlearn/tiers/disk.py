@@ -10,8 +10,25 @@ Invariants:
   their two whole files;
 - a file is loaded only if its header names this store's model, dtype and page shape, its token
   ids are the page's, and the payload has the stated length and checksum; anything else is a miss,
-  counted in `stats` by reason, and never becomes KV.
-(No fsync: after a power cut a renamed file may be empty or partial; the checks make it a miss.)
+  counted in `stats` by reason, and never becomes KV. The store remembers the key as bad: it no
+  longer `contains` it, so the next write of that page replaces the file with a good one;
+- with a capacity (`max_bytes`), the entries' files never take more than `max_bytes` after a
+  write: before it, the least recently used entries are deleted until the new one fits.
+
+Least recently used, across restarts: every write and every valid read stamps the file's
+modification time (`os.utime`, nanoseconds, strictly increasing within one process), so the order
+lives in the folder itself and a later process evicts in the same order. Eviction scans the folder
+(one `stat` per file) at each write: simple, and right even when other processes write too.
+
+What a crash or a race can leave (each harmless):
+- killed between the temporary file and its rename: a `.tmp-*` file, never read and not counted
+  against the capacity (delete it by hand, or `sweep_temporary`);
+- killed between deleting old entries and renaming the new one: the folder is below capacity;
+- killed between a read and its stamp: that entry looks older than it is, and may go first;
+- two processes writing at once each make room for their own entry: together they can exceed the
+  capacity by one entry per concurrent writer, until the next write makes room again;
+- no fsync: after a power cut a renamed file may be empty or partial; the checks make it a miss
+  (and the next write of that page replaces it).
 """
 
 from __future__ import annotations
@@ -20,13 +37,14 @@ import json
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import xxhash
 
 from kvlearn.blocks import hash_block_tokens
-from kvlearn.errors import check_positive_int
+from kvlearn.errors import check_int, check_positive_int
 
 MAGIC = b"KVLEARN-KV1\n"
 _HEADER_LEN = struct.Struct("<I")
@@ -45,21 +63,44 @@ class DiskStore:
     """Pages of KV in files under `folder`, for one model identity, dtype and page shape.
 
     shape: (num_layers, num_kv_heads, head_dim) of the pool the pages come from and go to.
+    max_bytes: the most bytes the entries' files may take (at least one entry); None: no limit.
     The folder must exist and be writable: the error at construction says what to do otherwise.
+
+    `stats`: pages_written, pages_read, pages_evicted (deleted to make room), and misses by reason.
     """
 
     def __init__(self, folder, model_id: str, dtype: torch.dtype, shape: tuple[int, int, int],
-                 page_tokens: int = 16):
+                 page_tokens: int = 16, max_bytes: int | None = None):
         check_positive_int("page_tokens", page_tokens)
         self.folder = check_folder(folder)
         self.model_id, self.dtype, self.page_tokens = model_id, dtype, page_tokens
         layers, kv_heads, head_dim = shape
         self.page_shape = (layers, 2, page_tokens, kv_heads, head_dim)
-        self.stats = {"pages_written": 0, "pages_read": 0} | {f"miss_{r}": 0 for r in MISS_REASONS}
+        if max_bytes is not None:
+            check_int("max_bytes", max_bytes, what=" (bytes the disk tier may use)")
+            if max_bytes < self.max_entry_bytes:
+                raise ValueError(f"max_bytes of the disk tier ({max_bytes}) must hold at least one entry of "
+                                 f"{self.max_entry_bytes} bytes (a page of {page_tokens} tokens' KV "
+                                 "and its header), or be None for no limit.")
+        self.max_bytes = max_bytes
+        self.stats = {"pages_written": 0, "pages_read": 0, "pages_evicted": 0} | {f"miss_{r}": 0 for r in MISS_REASONS}
+        self._bad: set[int] = set()  # keys whose file this store found bad: rewritten at the next put
+        self._stamp = 0              # the last LRU stamp given (ns), to keep stamps increasing
 
     def __repr__(self) -> str:
+        limit = "" if self.max_bytes is None else f", max_bytes={self.max_bytes}"
         return (f"DiskStore({self.folder}, page_tokens={self.page_tokens}, "
-                f"dtype={str(self.dtype).removeprefix('torch.')}, files={len(self.files())})")
+                f"dtype={str(self.dtype).removeprefix('torch.')}{limit}, files={len(self.files())})")
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one page's KV."""
+        return torch.Size(self.page_shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def max_entry_bytes(self) -> int:
+        """The largest file one entry can be: its KV and a header with the longest token ids."""
+        return len(self._encode([2**63 - 1] * self.page_tokens, b"\0" * self.payload_bytes))
 
     # --- keys -------------------------------------------------------------------------------------
     def page_hashes(self, tokens) -> list[int]:
@@ -74,11 +115,25 @@ class DiskStore:
         return self.folder / f"{key:016x}.kv"
 
     def files(self) -> list[Path]:
-        return sorted(self.folder.glob("*.kv"))
+        """The entries' files (not the temporary files of writes in progress), by name."""
+        return sorted(p for p in self.folder.glob("*.kv") if not p.name.startswith("."))
+
+    def used_bytes(self) -> int:
+        """Bytes the entries' files take now."""
+        return sum(size for _, _, size, _ in self._entries())
+
+    def lru_order(self) -> list[int]:
+        """The keys on disk, least recently used (next to be evicted) first."""
+        return [int(path.stem, 16) for _, _, _, path in sorted(self._entries())]
 
     def contains(self, key: int) -> bool:
-        """Query: whether a file exists under this key (not whether it is valid: `get` checks)."""
-        return self.path(key).is_file()
+        """Query: whether a file exists under this key that this store has not found bad (not
+        whether it is valid: `get` checks)."""
+        return key not in self._bad and self.path(key).is_file()
+
+    def touch(self, key: int) -> None:
+        """Mark an entry as just used (a write of the same page that found it already there)."""
+        self._stamp_file(self.path(key))
 
     # --- reading and writing ---------------------------------------------------------------------
     def put(self, key: int, tokens, kv: torch.Tensor) -> None:
@@ -87,19 +142,77 @@ class DiskStore:
         if tuple(kv.shape) != self.page_shape or len(tokens) != self.page_tokens:
             raise ValueError(f"a page is {self.page_tokens} tokens and KV of shape {list(self.page_shape)}; "
                              f"got {len(tokens)} tokens and {list(kv.shape)}.")
-        payload = kv.view(torch.uint8).numpy().tobytes()
-        header = json.dumps({"model": self.model_id, "dtype": str(self.dtype).removeprefix("torch."),
-                             "shape": list(self.page_shape), "tokens": list(map(int, tokens)),
-                             "payload_bytes": len(payload), "xxh64": xxhash.xxh64_hexdigest(payload)}).encode()
+        data = self._encode(tokens, kv.view(torch.uint8).numpy().tobytes())
+        if self.max_bytes is not None:
+            self._make_room(len(data), keep=key)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".kv")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header + payload)
+                f.write(data)
+            self._stamp_file(tmp)  # stamped before it appears: the newest entry from the start
             os.replace(tmp, self.path(key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self._bad.discard(key)
         self.stats["pages_written"] += 1
+
+    def _encode(self, tokens, payload: bytes) -> bytes:
+        header = json.dumps({"model": self.model_id, "dtype": str(self.dtype).removeprefix("torch."),
+                             "shape": list(self.page_shape), "tokens": list(map(int, tokens)),
+                             "payload_bytes": len(payload), "xxh64": xxhash.xxh64_hexdigest(payload)}).encode()
+        return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+
+    # --- capacity: least recently used first -----------------------------------------------------
+    def _entries(self) -> list[tuple[int, str, int, Path]]:
+        """(stamp, name, bytes, path) of every entry's file now (a file gone meanwhile is skipped)."""
+        out = []
+        with os.scandir(self.folder) as it:
+            for e in it:
+                if e.name.endswith(".kv") and not e.name.startswith("."):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    out.append((st.st_mtime_ns, e.name, st.st_size, Path(e.path)))
+        return out
+
+    def _make_room(self, size: int, keep: int) -> None:
+        """Delete least recently used entries until one of `size` bytes fits (the file under `keep`
+        is about to be replaced: it does not count)."""
+        entries = sorted(e for e in self._entries() if e[3] != self.path(keep))
+        used = sum(e[2] for e in entries)
+        for _, _, nbytes, path in entries:
+            if used + size <= self.max_bytes:
+                break
+            try:
+                path.unlink()
+                self.stats["pages_evicted"] += 1
+            except FileNotFoundError:  # another process took it first
+                pass
+            used -= nbytes
+            self._bad.discard(int(path.stem, 16))
+
+    def _stamp_file(self, path) -> None:
+        """Set the file's modification time to a fresh stamp (strictly later than this store's last)."""
+        self._stamp = max(time.time_ns(), self._stamp + 1)
+        try:
+            os.utime(path, ns=(self._stamp, self._stamp))
+        except FileNotFoundError:  # evicted or replaced by another process meanwhile
+            pass
+
+    def sweep_temporary(self, older_than_s: float = 3600.0) -> int:
+        """Delete temporary files left by writers killed before their rename, if older than
+        `older_than_s` (a younger one may be a write in progress); return how many."""
+        gone, now = 0, time.time()
+        for path in self.folder.glob(".tmp-*.kv"):
+            try:
+                if now - path.stat().st_mtime > older_than_s:
+                    path.unlink()
+                    gone += 1
+            except FileNotFoundError:
+                pass
+        return gone
 
     def get(self, key: int, tokens) -> torch.Tensor | None:
         """The page stored under `key` for exactly these tokens, or None (a miss, counted by reason)."""
@@ -113,7 +226,9 @@ class DiskStore:
         if reason is None and xxhash.xxh64_hexdigest(payload) != header["xxh64"]:
             reason = "corrupt"
         if reason is not None:
+            self._bad.add(key)
             return self._miss(reason)
+        self._stamp_file(self.path(key))
         self.stats["pages_read"] += 1
         return torch.frombuffer(bytearray(payload), dtype=self.dtype).reshape(self.page_shape)
 

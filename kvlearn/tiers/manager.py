@@ -42,6 +42,7 @@ class TieredRadixKV(RadixKV):
         if self.tree.disk is not None:
             disk = self.tree.disk.stats
             stats["disk_pages_written"] = disk["pages_written"]
+            stats["disk_pages_evicted"] = disk["pages_evicted"]
             stats["disk_entries_rejected"] = disk["miss_truncated"] + disk["miss_corrupt"] + disk["miss_foreign"]
         return stats
 
@@ -66,11 +67,16 @@ class TieredRadixKV(RadixKV):
                 f"host slot leak: {host.num_free} free + {self.tree.host_size} held != {host.num_slots}")
 
 
-def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str) -> None:
-    """Refuse tier options the engine cannot honour, before anything is built."""
+def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str, disk_max_bytes=None) -> None:
+    """Refuse tier options the engine cannot honour, before anything is built (the disk capacity's
+    lower bound, one entry, is checked when the store is built: it depends on the model)."""
     check_choice("write_policy", write_policy, WRITE_POLICIES)
     if host_slots is not None:
         check_positive_int("host_slots", host_slots, " (tokens of KV the host tier holds)")
+    if disk_max_bytes is not None:
+        check_positive_int("disk_max_bytes", disk_max_bytes, " (bytes the disk tier may use)")
+        if disk_dir is None:
+            raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
     if (host_slots is not None or disk_dir is not None) and cache != "radix":
         raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                          f"tree), got cache={cache!r}.")
@@ -79,14 +85,15 @@ def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str) -> N
 
 
 def make_tiered_kv(pool: KVPool, model, host_slots: int | None, disk_dir, write_policy: str,
-                   max_requests: int = DEFAULT_MAX_REQUESTS) -> TieredRadixKV:
-    """The tiered radix mode for an engine's pool and model (options checked by check_tier_options)."""
+                   max_requests: int = DEFAULT_MAX_REQUESTS, disk_max_bytes: int | None = None) -> TieredRadixKV:
+    """The tiered radix mode for an engine's pool and model (options checked by check_tier_options);
+    disk_max_bytes: the disk tier's capacity (least recently used pages go first), None: no limit."""
     host = None if host_slots is None else host_pool_for(pool, host_slots)
     disk = None
     if disk_dir is not None:
         page = -(-DISK_PAGE_TOKENS // pool.page_size) * pool.page_size
         disk = DiskStore(disk_dir, model_identity(model), pool.dtype,
-                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page)
+                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=disk_max_bytes)
     return TieredRadixKV(pool, max_requests, host, disk, write_policy)
 
 
