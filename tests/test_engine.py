@@ -61,10 +61,11 @@ class RecordingForward:
 
 
 def run_scheduler(prompts, cache="radix", num_slots=4096, page_size=1, max_new_tokens=8, schedule="fcfs",
-                  max_batch_tokens=2048, in_batch_threshold=1, eos=EOS):
+                  max_batch_tokens=2048, in_batch_threshold=1, eos=EOS, chunked_prefill=True):
     pool = KVPool(1, 1, 1, num_slots, page_size=page_size)
     kv = make_kv_manager(cache, pool)
-    scheduler = Scheduler(kv, max_batch_tokens, schedule, (eos,), in_batch_threshold=in_batch_threshold)
+    scheduler = Scheduler(kv, max_batch_tokens, schedule, (eos,), in_batch_threshold=in_batch_threshold,
+                          chunked_prefill=chunked_prefill)
     forward = RecordingForward(num_slots, eos)
     requests = [Request(i, p, max_new_tokens, page_size) for i, p in enumerate(prompts)]
     for req in requests:
@@ -107,7 +108,7 @@ def scenarios(draw):
     return dict(prompts=prompts, cache=cache, page_size=page_size, max_new_tokens=max_new_tokens,
                 num_slots=num_slots, schedule=draw(st.sampled_from(SCHEDULES)),
                 max_batch_tokens=draw(st.sampled_from([1, 5, 16, 2048])),
-                in_batch_threshold=draw(st.sampled_from([0, 1, 8])))
+                in_batch_threshold=draw(st.sampled_from([0, 1, 8])), chunked_prefill=draw(st.booleans()))
 
 
 @given(scenarios())
@@ -158,7 +159,9 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     order = {}
     for schedule in SCHEDULES:
         pool = KVPool(1, 1, 1, 256)
-        scheduler = Scheduler(make_kv_manager("radix", pool), max_batch_tokens=31, schedule=schedule)
+        # Without chunks, so that the second request cannot take the rest of the budget.
+        scheduler = Scheduler(make_kv_manager("radix", pool), max_batch_tokens=31, schedule=schedule,
+                              chunked_prefill=False)
         forward = RecordingForward(256)
         scheduler.add(Request(0, first, 2))
         batch = scheduler.schedule()

@@ -67,7 +67,9 @@ class Engine:
     cache: "radix" (chapter 3's tree), "blocks" (chapter 2's hashed blocks) or "none".
     num_slots: KV pool size in tokens (default DEFAULT_NUM_SLOTS). page_size: tokens per page of
     the pool; in "blocks" mode the block size (default 16), else 1. max_batch_tokens: tokens
-    computed per step at most (decodes count one each; a prompt alone may exceed it).
+    computed per step at most (decodes count one each). chunked_prefill: a prompt longer than what
+    is left of that budget is computed in chunks over several steps while the others keep decoding
+    (with False it waits until nothing else runs, then runs whole, exceeding the budget).
     schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
     KV at once (rows of the ReqToTokenPool). plain_text: tokenize string prompts as plain text, so
     that a typed `<|im_start|>` cannot forge a chat turn (by default, as in transformers, it becomes
@@ -87,7 +89,8 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
-                 page_size: int | None = None, max_batch_tokens: int = 2048, schedule: str = "fcfs",
+                 page_size: int | None = None, max_batch_tokens: int = 2048, chunked_prefill: bool = True,
+                 schedule: str = "fcfs",
                  max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
                  write_policy: str = "write_back", disk_max_bytes: int | None = None, plain_text: bool = False,
                  fast: bool = False):
@@ -112,7 +115,8 @@ class Engine:
         else:
             self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running,
                                      disk_max_bytes)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids,
+                                   chunked_prefill=chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.reset_stats()

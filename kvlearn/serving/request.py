@@ -17,7 +17,9 @@ class Request(Sequence):
 
     num_computed: leading tokens whose KV is in the pool (the scheduler sets it from what admission
     found cached and after each forward); the newest generated token never has KV until the next
-    step computes it. kv: the KV manager's handle while the request holds KV (see
+    step computes it. prefill_len: the tokens its prefill computes up to, set at admission (the
+    prompt, plus the outputs so far after a preemption); while num_computed < prefill_len the
+    prompt is still being computed, in chunks. kv: the KV manager's handle while the request holds KV (see
     `kvlearn.serving.kv_manager.KVHandle`), None otherwise. status: "waiting", "running", "finished",
 or "aborted" (taken out by a step that failed; its output is cut short).
     """
@@ -27,7 +29,7 @@ or "aborted" (taken out by a step that failed; its output is cut short).
         self.rid = rid
         self.max_new_tokens = max_new_tokens
         self.status = "waiting"
-        self.num_computed = 0
+        self.num_computed = self.prefill_len = 0
         self.kv = None
 
     @property

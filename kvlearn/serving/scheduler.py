@@ -5,8 +5,17 @@ Every step forms one batch under a token budget (`max_batch_tokens`):
 1. every running request decodes one token; a request that needs a new slot and cannot get one,
    even after evicting unlocked cached tokens, makes the scheduler preempt the most recently
    admitted request (vLLM's recompute preemption: its slots go back and it re-queues);
-2. waiting requests are admitted, in `fcfs` order or `lpm` order (longest cached prefix first,
+2. a request still prefilling a long prompt computes its next chunk (chunked prefill, below);
+3. waiting requests are admitted, in `fcfs` order or `lpm` order (longest cached prefix first,
    SGLang's policy), while the budget and the pool allow; each computes only its uncached suffix.
+
+Chunked prefill (on by default, as in vLLM and SGLang): a prompt whose uncached part is larger than
+what is left of the budget computes only that much now and the rest in later steps, one chunk per
+step, while the running requests keep decoding. Without it, such a prompt waits until nothing else
+runs and is then computed whole, in one long step that every other request waits for. A chunk is
+an ordinary prefill over a cached prefix (the prompt's own earlier chunks): its tokens' slots were
+allocated at admission, its logits are thrown away, and the prompt joins the cache after its last
+chunk.
 
 A request that shares a not-yet-computed prefix with one admitted in the same step waits a step:
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
@@ -45,7 +54,15 @@ class Batch:
     requests: list[Request] = field(default_factory=list)
     input_ids: list[list[int]] = field(default_factory=list)
     kv_indices: list[torch.Tensor] = field(default_factory=list)
-    num_prefills: int = 0  # the first num_prefills requests prefill, the rest decode
+    num_prefills: int = 0  # the first num_prefills requests prefill (whole prompts or chunks), the rest decode
+
+    def add(self, req: Request, kv_indices: torch.Tensor, num_tokens: int) -> None:
+        """Compute `num_tokens` of `req`, from its first token without KV; `kv_indices` are the
+        slots of its whole context (they reach at least that far)."""
+        end = req.num_computed + num_tokens
+        self.requests.append(req)
+        self.input_ids.append(req.token_ids[req.num_computed:end])
+        self.kv_indices.append(kv_indices[:end])
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -57,6 +74,7 @@ class StepReport:
 
     step: int
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rid, start, computed) of a prompt already started
     decodes: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
@@ -70,6 +88,8 @@ class StepReport:
         parts = [f"step {self.step}:"]
         if self.prefills:
             parts.append("prefill " + ", ".join(f"r{r} ({c} cached + {n} computed)" for r, c, n in self.prefills))
+        if self.chunks:
+            parts.append("chunk " + ", ".join(f"r{r} (tokens {s}-{s + n - 1})" for r, s, n in self.chunks))
         if self.decodes:
             parts.append("decode " + " ".join(f"r{r}" for r in self.decodes))
         for label, rids in (("deferred", self.deferred), ("preempted", self.preempted),
@@ -91,17 +111,18 @@ class Scheduler:
 
     in_batch_threshold: a waiting request whose prompt shares at least this many more tokens with
     a request admitted in the same step than with the cache waits one step (0 turns it off).
-    `stats` counts since the last `reset_stats()`: prefill counts include recomputation after a
+    chunked_prefill: split a prompt that does not fit in the step's budget across steps (else it
+    waits, and runs alone, whole, when nothing else is running). `stats` counts since the last `reset_stats()`: prefill counts include recomputation after a
     preemption; peak_slots is the most slots live requests used at once, shared slots once.
     """
 
     def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
-                 eos_token_ids=(), in_batch_threshold: int = 1):
+                 eos_token_ids=(), in_batch_threshold: int = 1, chunked_prefill: bool = True):
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         self.kv, self.max_batch_tokens, self.schedule_policy = kv, max_batch_tokens, schedule
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.in_batch_threshold = in_batch_threshold
+        self.in_batch_threshold, self.chunked_prefill = in_batch_threshold, bool(chunked_prefill)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preemption takes from the end
         self.num_steps = 0
@@ -121,18 +142,25 @@ class Scheduler:
 
     # --- forming a batch ----------------------------------------------------------------------
     def schedule(self) -> Batch:
-        """Pick this step's batch: decodes of running requests, then admissions."""
+        """Pick this step's batch: decodes of running requests, the next chunk of each prompt
+        already started, then admissions."""
         self.num_steps += 1
         self.report = StepReport(self.num_steps)
         evicted_before = self.kv.evicted_tokens
-        decodes = self._schedule_decodes()
-        prefills = [] if self.report.preempted else self._admit(self.max_batch_tokens - len(decodes))
-        batch = Batch(num_prefills=len(prefills))
-        for req in prefills + decodes:
-            batch.requests.append(req)
-            batch.input_ids.append(req.token_ids[req.num_computed:])
-            batch.kv_indices.append(self.kv.kv_indices(req))
+        decodes, prefilling = self._schedule_running()
+        budget = self.max_batch_tokens - len(decodes)
+        chunks = []
+        for req in prefilling:  # the next chunk of each prompt already started, oldest first
+            if budget <= 0:
+                break
+            chunks.append((req, min(len(req.token_ids) - req.num_computed, budget)))
+            budget -= chunks[-1][1]
+        prefills = [] if self.report.preempted else self._admit(budget)
+        batch = Batch(num_prefills=len(prefills) + len(chunks))
+        for req, n in prefills + chunks + [(req, 1) for req in decodes]:
+            batch.add(req, self.kv.kv_indices(req), n)
         report, kv = self.report, self.kv
+        report.chunks = [(req.rid, req.num_computed, n) for req, n in chunks]
         report.decodes = [r.rid for r in decodes]
         report.evicted_tokens = kv.evicted_tokens - evicted_before
         report.used_slots, report.evictable_slots = kv.slots_in_use(self.running), kv.evictable_slots
@@ -140,25 +168,31 @@ class Scheduler:
         stats = self.stats
         stats["steps"] += 1
         stats["cached_tokens"] += sum(cached for _, cached, _ in report.prefills)
-        stats["computed_prefill_tokens"] += sum(computed for _, _, computed in report.prefills)
+        stats["computed_prefill_tokens"] += sum(n for _, _, n in report.prefills + report.chunks)
         stats["evicted_tokens"] += report.evicted_tokens
         stats["preemptions"] += len(report.preempted)
         stats["peak_slots"] = max(stats["peak_slots"], report.used_slots)
         return batch
 
-    def _schedule_decodes(self) -> list[Request]:
-        scheduled = []
+    def _schedule_running(self) -> tuple[list[Request], list[Request]]:
+        """The running requests that decode this step (each given a slot for its newest token,
+        preempting from the back when the pool has none), and those still in the middle of a
+        chunked prompt (their slots were taken at admission)."""
+        decodes, prefilling = [], []
         for req in list(self.running):
             if req.status != "running":  # preempted earlier in this loop
                 break
+            if req.num_computed < req.prefill_len:
+                prefilling.append(req)
+                continue
             while not self.kv.grow(req):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append(req)
-        return scheduled
+                decodes.append(req)
+        return decodes, [r for r in prefilling if r.status == "running"]
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: the request gives its slots back (its computed tokens go to the
@@ -179,17 +213,20 @@ class Scheduler:
         # fcfs matches lazily: admission usually stops long before the end of the queue.
         return ((req, self.kv.cached_len(req.token_ids)) for req in list(self.waiting))
 
-    def _admit(self, budget: int) -> list[Request]:
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        """Admit waiting requests while budget and pool allow: (request, tokens to compute now)."""
         admitted = []
-        if not self.waiting:
+        if not self.waiting or budget <= 0:
             return admitted
         # The prompts admitted this step, in a tree of their own (values unused): a request that
         # shares more with them than with the cache would compute that shared part twice.
         in_batch = RadixCache() if self.kv.caches_prefixes and self.in_batch_threshold else None
         page = self.kv.page_size
         for req, cached in self._queue_order():
+            if budget <= 0:
+                break
             extend = len(req.token_ids) - cached
-            if extend > budget and (admitted or self.running):
+            if extend > budget and not self.chunked_prefill and (admitted or self.running):
                 break  # too big for this step; alone (nothing else to run) it may exceed the budget
             if in_batch is not None:
                 shared = in_batch.match_len(req.token_ids[:-1]) // page * page
@@ -200,11 +237,13 @@ class Scheduler:
             if cached is None:
                 break  # the pool is full; running requests free slots as they finish
             self.waiting.remove(req)
-            req.status, req.num_computed = "running", cached
+            req.status, req.num_computed, req.prefill_len = "running", cached, len(req.token_ids)
             self.running.append(req)
-            admitted.append(req)
-            budget -= len(req.token_ids) - cached
-            self.report.prefills.append((req.rid, cached, len(req.token_ids) - cached))
+            extend = len(req.token_ids) - cached
+            now = min(extend, budget) if self.chunked_prefill else extend
+            admitted.append((req, now))
+            budget -= now
+            self.report.prefills.append((req.rid, cached, now))
             if in_batch is not None:
                 in_batch.insert(req.token_ids, torch.zeros(len(req.token_ids), dtype=torch.int64))
         return admitted
@@ -242,11 +281,14 @@ class Scheduler:
         """Record each request's sampled token; release and return the requests that finished.
         A request leaves `running` as soon as its KV is released."""
         finished = []
-        self.stats["output_tokens"] += len(batch)
-        for i, (req, token) in enumerate(zip(batch.requests, next_tokens)):
+        for i, (req, ids, token) in enumerate(zip(batch.requests, batch.input_ids, next_tokens)):
+            if req.num_computed + len(ids) < req.prefill_len:  # a chunk, not the prompt's end:
+                req.num_computed += len(ids)                  # no token, nothing published yet
+                continue
             self.kv.after_forward(req, prefilled=i < batch.num_prefills)
             req.num_computed = len(req.token_ids)
             req.token_ids.append(token)
+            self.stats["output_tokens"] += 1
             if token in self.eos_token_ids or req.done:
                 self._leave(req)
                 finished.append(req)
