@@ -222,6 +222,50 @@ def test_simulate_rejects_what_could_never_run():
         simulate([[1, 2], []], "none")
 
 
+@pytest.mark.parametrize("cache", CACHE_MODES)
+def test_a_long_prompt_is_chunked_while_the_others_keep_decoding(cache):
+    short, long = [[1, 2, 3], [4, 5, 6]], list(range(7, 47))  # 40 tokens, budget 16
+    page = 4 if cache == "blocks" else 1
+    requests, reports, _, _ = run_scheduler(short + [long], cache=cache, page_size=page, max_new_tokens=6,
+                                            max_batch_tokens=16)
+    assert [r.output_ids for r in requests] == [reference(p, 6) for p in short + [long]]
+    # Step 1 admits the short prompts and the first chunk; the rest follows a chunk per step, each
+    # step beside the short requests' decodes, and the prompt's first token comes after its last chunk.
+    assert reports[0].prefills == [(0, 0, 3), (1, 0, 3), (2, 0, 10)]
+    assert [c for rep in reports for c in rep.chunks] == [(2, 10, 14), (2, 24, 14), (2, 38, 2)]
+    assert all(rep.decodes[:2] == [0, 1] for rep in reports[1:4])
+    assert "chunk r2 (tokens 10-23)" in repr(reports[1])
+    # Without chunks the long prompt waits for the short ones to finish, then runs alone, whole.
+    requests, reports, _, _ = run_scheduler(short + [long], cache=cache, page_size=page, max_new_tokens=6,
+                                            max_batch_tokens=16, chunked_prefill=False)
+    assert [r.output_ids for r in requests] == [reference(p, 6) for p in short + [long]]
+    alone = next(rep for rep in reports if any(r == 2 for r, _, _ in rep.prefills))
+    assert alone.prefills == [(2, 0, 40)] and alone.decodes == [] and alone.step == 7
+
+
+def test_a_preempted_chunked_prompt_keeps_its_computed_chunks_in_the_cache():
+    """Preempted half way through its prompt, a request gives its computed chunks to the radix tree,
+    and re-admitted it finds them there."""
+    pool = KVPool(1, 1, 1, 64)
+    scheduler = Scheduler(make_kv_manager("radix", pool), max_batch_tokens=10)
+    forward = RecordingForward(64)
+    req = Request(0, list(range(1, 31)), 4)
+    scheduler.add(req)
+    for _ in range(2):
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, forward(batch))
+    assert req.num_computed == 20 and req.status == "running"
+    scheduler._preempt(req)
+    assert scheduler.kv.cached_len(req.token_ids) == 20
+    batch = scheduler.schedule()
+    assert scheduler.report.prefills == [(0, 20, 10)]
+    scheduler.postprocess(batch, forward(batch))
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, forward(batch))
+    assert req.output_ids == reference(list(range(1, 31)), 4)
+
+
 def test_scheduler_rejects_bad_settings():
     pool = KVPool(1, 1, 1, 8)
     with pytest.raises(ValueError, match="schedule"):
@@ -314,6 +358,20 @@ def test_lpm_and_string_prompts_and_model_left_unchanged(model, tokenizer, fast,
     after = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     assert torch.equal(before, after) and model.config._attn_implementation == attn
     assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fast", [False, True])
+def test_chunked_prefill_gives_hf_tokens(model, tokenizer, workloads, fast):
+    """Prompts of about 320 tokens through a 64-token budget: each is computed in chunks, over its
+    own earlier chunks and the cached system prompt, and the tokens are still Hugging Face's."""
+    workload = workloads["shared_system"]
+    engine = Engine(model, tokenizer, cache="radix", num_slots=2048, max_batch_tokens=64, fast=fast)
+    outputs = engine.generate(workload.prompt_lists(), max_new_tokens=4)
+    assert [o.token_ids for o in outputs] == [hf_greedy(model, p, 4) for p in workload.prompts]
+    stats = engine.stats
+    assert stats["cached_tokens"] + stats["computed_prefill_tokens"] == workload.num_prompt_tokens
+    assert stats["steps"] >= workload.unique_token_floor // 64  # no step computed more than the budget
 
 
 @pytest.mark.slow
