@@ -5,9 +5,9 @@ picture work together. For chapters 3 and 6 this test copies the chapter to a te
 after its last cell that builds or reads a widget (the later cells cost time and show no widget)
 and with its stored outputs cleared, starts JupyterLab there (own port, token, settings and
 figures folder), opens the copy in headless Chromium, runs it with the menu's Run > Run All Cells,
-then moves every slider one step right and back with the keyboard. Each move must change the
-caption and the picture to the slider's step ("step N: ..."), and the way back must give the first
-caption and picture again.
+then moves every slider one step (right, or left at its end) and back with the keyboard. Each move
+must change the caption and the picture to the slider's step ("step N: ..."), and the way back must
+give the first caption and picture again.
 
 Needs Debian's `chromium` package and the `playwright` pip package (requirements-test.txt); `make
 test` installs both where it can (apt only as root). Playwright never downloads a browser here: it
