@@ -10,6 +10,11 @@ For every layer the attention function
 3. runs one SDPA over all sequences, with a boolean mask that lets a query see the keys at or before
    its own position in its own sequence, and never the padding.
 
+A step that mixes prefills with decodes pads every sequence to the longest one's new tokens: one
+1,500-token prompt beside sixteen decodes would make SDPA score sixteen padded 1,500-row blocks for
+nothing. The scheduler puts prefills first, so such a step is attended in two parts, the prefills
+together and the decodes together, each padded only to its own longest.
+
 When every sequence of a decode step starts with the same slots (a prefix cache shared a system
 prompt), step 2 would copy that prefix once per sequence. Then the shared slots are gathered once,
 every query is scored against them in one product, and only each sequence's own tail is gathered
@@ -51,6 +56,9 @@ class AttentionMetadata:
     last_token    [B]          place in the packed row of each sequence's last new token
     shared_len    int          in a decode step (one new token each, B > 1), the leading context slots
                                identical in every sequence; 0 below SHARED_MIN and in steps with a prefill
+    parts         ()           or, when sequences with several new tokens come first and single-token ones
+                               after, (first part, second part): the same step's metadata split there,
+                               so that each part is attended padded only to its own longest
     """
 
     positions: torch.Tensor
@@ -62,6 +70,7 @@ class AttentionMetadata:
     mask: torch.Tensor
     last_token: torch.Tensor
     shared_len: int = 0
+    parts: tuple = ()
 
     @classmethod
     def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "AttentionMetadata":
@@ -85,6 +94,11 @@ class AttentionMetadata:
         if q_max == 1 and len(kv_indices) > 1:
             cached = int(kv_lens.min()) - 1
             shared_len = int((padded[:, :cached] == padded[:1, :cached]).all(0).int().cumprod(0).sum())
+        # Prefills first, decodes after: attend the two groups apart (see the module docstring).
+        split = 1 + max((i for i, q in enumerate(query_lens) if q > 1), default=len(query_lens))
+        parts = () if split >= len(query_lens) else (
+            cls.build(query_lens[:split], kv_indices[:split], device),
+            cls.build(query_lens[split:], kv_indices[split:], device))
         query_index = torch.zeros_like(abs_pos)
         query_index[valid] = torch.arange(int(q_lens.sum()), device=device)
         positions = abs_pos[valid]
@@ -98,6 +112,7 @@ class AttentionMetadata:
             mask=mask[:, None],
             last_token=q_lens.cumsum(0) - 1,
             shared_len=shared_len if shared_len >= SHARED_MIN else 0,
+            parts=parts,
         )
 
     def __repr__(self) -> str:
@@ -113,7 +128,16 @@ def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadat
     from it. query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim].
     Returns [T, heads, head_dim], the packed row in the same order as the queries."""
     kv_pool.write(layer, md.slot_mapping, key, value)
-    k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
+    if md.parts:  # every new token's K/V is in the pool now: each part reads what it needs
+        first, second = md.parts
+        split = len(first.positions)
+        return torch.cat([_attend(query[:split], kv_pool.k[layer], kv_pool.v[layer], first, scale),
+                          _attend(query[split:], kv_pool.k[layer], kv_pool.v[layer], second, scale)])
+    return _attend(query, kv_pool.k[layer], kv_pool.v[layer], md, scale)
+
+
+def _attend(query, k_cache, v_cache, md: AttentionMetadata, scale) -> torch.Tensor:
+    """Attention of the packed queries over the contexts `md` describes, read from the caches."""
     q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
     if md.shared_len:
         out = _cascade_attention(q, k_cache, v_cache, md, query.shape[-1] ** -0.5 if scale is None else scale)

@@ -69,6 +69,25 @@ def test_a_shared_prefix_is_read_once_with_the_same_result(own):
     assert (cascade - one_sdpa).abs().max() <= 1e-5
 
 
+def test_prefills_then_decodes_are_attended_in_two_parts_with_the_same_result():
+    """A long prefill beside decodes: each group is padded only to its own longest, and the result
+    equals one SDPA over the whole padded step. A step in any other order is not split."""
+    torch.manual_seed(0)
+    pool = KVPool(2, 3, 64, 1024)
+    pool.kv.normal_()
+    q_lens = [60, 5, 1, 1, 1]
+    slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
+    md = AttentionMetadata.build(q_lens, slots)
+    first, second = md.parts
+    assert first.mask.shape[2:] == (60, 60) and second.mask.shape[2:] == (1, 70)
+    assert first.kv_lens.tolist() == [60, 25] and second.kv_lens.tolist() == [40, 70, 9]
+    assert not AttentionMetadata.build([1, 60], slots[1::-1]).parts and not AttentionMetadata.build([1, 1], slots[2:4]).parts
+    q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
+    split = paged_attention(q, k, v, 1, pool, md, scale=0.125)
+    whole = paged_attention(q, k, v, 1, pool, AttentionMetadata(**{**vars(md), "parts": ()}), scale=0.125)
+    assert (split - whole).abs().max() <= 1e-5
+
+
 def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
     a, b = torch.arange(0, 50), torch.cat([torch.arange(0, 40), torch.arange(100, 110)])
     assert AttentionMetadata.build([1, 1], [a, b]).shared_len == 40
