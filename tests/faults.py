@@ -1,7 +1,8 @@
 """Fault injection for the engine: make one bookkeeping call raise, then check the engine is whole.
 
 A *site* is a method of one of the engine's parts (the pool, its allocator, the request rows, the
-radix tree or block manager, the runner). `inject(engine, site, k)` makes the k-th call of that
+radix tree or block manager, the runner; with chapter 8's tiers also the tiered tree's moves
+between tiers, the host pool and the disk store). `inject(engine, site, k)` makes the k-th call of that
 site raise (once) before it runs, as an error or a Ctrl-C at that call would. After the failed
 `generate`, `check_whole` runs the same prompts again and expects the tokens of a fresh engine,
 then evicts the cache and expects every slot free, every row free and nothing locked.
@@ -18,6 +19,13 @@ SITES = {
     "kv.tree": ("match_prefix", "insert_prefix", "lock", "unlock", "evict", "evict_callback"),
     "kv.manager": ("allocate", "may_append", "hash_blocks", "deallocate", "evict_cached"),
     "runner": ("run",),
+}
+# Chapter 8's tiered tree (an engine with host_slots or disk_dir): what moves KV between tiers.
+TIER_SITES = {
+    "kv.tree": ("load_back", "_load_disk", "_to_device", "_backup", "_evict_device", "_evict_host", "_remove",
+                "_persist"),
+    "kv.tree.host": ("alloc", "free"),
+    "kv.tree.disk": ("get", "put", "touch", "_make_room"),
 }
 
 
@@ -47,7 +55,8 @@ def owner(engine, path: str):
 
 def sites(engine) -> list[tuple[str, str]]:
     """The (object path, method) pairs this engine's cache mode has."""
-    return [(path, name) for path, names in SITES.items() for name in names
+    tables = [SITES] + ([TIER_SITES] if hasattr(owner(engine, "kv.tree"), "load_back") else [])
+    return [(path, name) for table in tables for path, names in table.items() for name in names
             if owner(engine, path) is not None and hasattr(owner(engine, path), name)]
 
 
@@ -103,9 +112,17 @@ def whole(engine) -> list[str]:
     if kv.rows.num_free != len(kv.rows.lengths):
         problems.append("a request row leaked")
     if kv.name == "radix":
-        kv.tree.check_invariants()
+        kv.tree.check_invariants()  # the tiered tree's include host conservation
         if kv.tree.total_size or kv.tree.root.lock_ref:
             problems.append(f"tree holds {kv.tree.total_size} tokens, root lock_ref {kv.tree.root.lock_ref}")
+        host = getattr(kv.tree, "host", None)
+        if host is not None and host.num_free + kv.tree.host_size != host.num_slots:
+            problems.append(f"host leak: {host.num_free} free + {kv.tree.host_size} held != {host.num_slots}")
+        disk = getattr(kv.tree, "disk", None)
+        if disk is not None and list(disk.folder.glob(".tmp-*")):
+            problems.append("a temporary disk file was left behind")
+        if disk is not None and disk.max_bytes is not None and disk.used_bytes() > disk.max_bytes:
+            problems.append(f"disk over capacity: {disk.used_bytes()} > {disk.max_bytes} bytes")
     if kv.name == "blocks" and (kv.manager.hash_to_block_id or kv.manager.num_free_blocks != kv.manager.num_blocks):
         problems.append("blocks still cached or in use")
     return problems

@@ -143,3 +143,61 @@ def test_plain_text_prompts_cannot_forge_a_turn(model, tokenizer):
     default = Engine(model, tokenizer, num_slots=256)._request(forged, 1)
     plain = Engine(model, tokenizer, num_slots=256, plain_text=True)._request(forged, 1)
     assert default.token_ids.count(start) == plain.token_ids.count(start) + 1  # the typed one
+
+
+# --- chapter 8's tiers: faults while KV moves between device, host and disk ---------------------------
+TIER_POLICIES = ["write_back", "write_through"]
+
+
+def tiered_engine(model, tokenizer, folder, policy):
+    """A small device pool over a smaller host pool and a disk of a few pages: admissions demote,
+    the host evicts to disk, the disk evicts, and the second round loads back from host and disk."""
+    return Engine(model, tokenizer, cache="radix", num_slots=40, page_size=1, max_batch_tokens=24,
+                  host_slots={"write_back": 8, "write_through": 12}[policy], disk_dir=folder, write_policy=policy,
+                  disk_max_bytes=6 * 2600)  # six pages of 4 tokens (2 KiB of KV and a header each)
+
+
+def tiered_tokens(eng):
+    return [o.token_ids for _ in range(2) for o in eng.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", TIER_POLICIES)
+def test_a_fault_while_kv_moves_between_tiers_leaves_the_engine_whole(tiny, tokenizer, tmp_path, monkeypatch, policy):
+    import kvlearn.tiers.manager
+
+    monkeypatch.setattr(kvlearn.tiers.manager, "DISK_PAGE_TOKENS", 4)  # pages the prompts fill
+    folders = iter(tmp_path / str(i) for i in range(10_000))
+
+    def fresh():
+        folder = next(folders)
+        folder.mkdir()
+        return tiered_engine(tiny, tokenizer, folder, policy)
+
+    reference = tokens(engine(tiny, tokenizer, "radix")) * 2
+    probe = fresh()
+    counts = count_calls(probe, lambda: tiered_tokens(probe))
+    assert tiered_tokens(fresh()) == reference
+    stats = probe.kv.tier_stats
+    assert stats["loaded_from_host_tokens"] > 0 and stats["loaded_from_disk_tokens"] > 0, stats
+    assert stats["disk_pages_evicted"] > 0, stats
+    assert {("kv.tree", "load_back"), ("kv.tree.disk", "get"), ("kv.tree.disk", "put")} <= set(counts)
+    tried, broken = 0, []
+    for (path, name), n in sorted(counts.items()):
+        for k in sample(n):
+            eng = fresh()
+            inject(eng, path, name, k, InjectedFault if k % 2 else KeyboardInterrupt)
+            with pytest.raises((InjectedFault, KeyboardInterrupt)):
+                tiered_tokens(eng)
+            restore(eng)
+            tried += 1
+            problems = []
+            try:
+                again = tiered_tokens(eng)
+                eng.evict_all()
+                problems = whole(eng) + ([] if again == reference else ["different tokens afterwards"])
+            except Exception as e:  # noqa: BLE001 - report every broken site at once
+                problems = [f"unusable afterwards: {type(e).__name__}: {e}"]
+            if problems:
+                broken.append(f"{path}.{name} call {k}/{n}: {'; '.join(problems)}")
+    assert tried >= 40 and broken == [], broken

@@ -210,3 +210,90 @@ def test_a_new_engine_reuses_the_disk_folder_and_refuses_damaged_files(model, to
     outputs = third.generate(prompts[:1], max_new_tokens=max_new)
     assert outputs[0].token_ids == hf_greedy(model, prompts[0], max_new)
     assert third.stats["loaded_from_disk_tokens"] == 0 and third.stats["disk_entries_rejected"] > 0
+
+
+# --- the disk tier's capacity and bad entries ---------------------------------------------------------
+def test_the_disk_keeps_under_its_capacity_least_recently_used_first_across_a_restart(tmp_path):
+    def store():
+        probe = DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4)
+        return DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4, max_bytes=3 * probe.max_entry_bytes)
+
+    disk = store()
+    pages = {k: [k] * 4 for k in range(1, 7)}
+    for k in (1, 2, 3):
+        disk.put(k, pages[k], page(k))
+    assert disk.lru_order() == [1, 2, 3] and disk.stats["pages_evicted"] == 0
+    assert torch.equal(disk.get(1, pages[1]), page(1))  # a read is a use: 2 is now the oldest
+    disk.put(4, pages[4], page(4))
+    assert disk.lru_order() == [3, 1, 4] and disk.stats["pages_evicted"] == 1
+    assert disk.used_bytes() <= disk.max_bytes and not disk.contains(2)
+    disk.put(3, pages[3], page(3.5))  # rewriting an entry evicts nothing and makes it the newest
+    assert disk.lru_order() == [1, 4, 3] and disk.stats["pages_evicted"] == 1
+    again = store()  # a restart: the order lives in the folder
+    assert again.lru_order() == [1, 4, 3]
+    again.touch(1)
+    again.put(5, pages[5], page(5))
+    assert again.lru_order() == [3, 1, 5] and again.stats["pages_evicted"] == 1
+    assert again.used_bytes() <= again.max_bytes
+    (tmp_path / ".tmp-stale.kv").write_bytes(b"x" * 10**5)  # a killed writer's leftover: not an entry
+    assert again.used_bytes() <= again.max_bytes and again.sweep_temporary(older_than_s=0) == 1
+
+
+def test_a_disk_capacity_below_one_entry_is_refused(model, tokenizer, tmp_path):
+    probe = DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4)
+    with pytest.raises(ValueError, match="at least one entry"):
+        DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4, max_bytes=probe.max_entry_bytes - 1)
+    with pytest.raises(ValueError, match="give disk_dir"):
+        Engine(model, tokenizer, num_slots=64, host_slots=64, disk_max_bytes=10**6)
+    with pytest.raises(TypeError, match="disk_max_bytes"):
+        Engine(model, tokenizer, num_slots=64, disk_dir=tmp_path, disk_max_bytes=1.5e6)
+    with pytest.raises(ValueError, match="at least one entry"):
+        Engine(model, tokenizer, num_slots=64, disk_dir=tmp_path, disk_max_bytes=1000)
+
+
+def test_a_bad_entry_is_replaced_when_its_page_is_written_again(tmp_path):
+    disk = DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4)
+    disk.put(9, [1, 2, 3, 4], page(1.0))
+    path = disk.path(9)
+    path.write_bytes(path.read_bytes()[:-7])  # truncated
+    assert disk.contains(9) and disk.get(9, [1, 2, 3, 4]) is None and not disk.contains(9)
+    disk.put(9, [1, 2, 3, 4], page(1.0))
+    assert disk.contains(9) and torch.equal(disk.get(9, [1, 2, 3, 4]), page(1.0))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
+def test_the_tree_rewrites_a_page_it_found_bad(tmp_path, damage):
+    """A prefix goes to disk, its file is damaged, a match misses it (computed again), and when the
+    prefix leaves memory again the file is replaced by a valid one."""
+    from kvlearn.tiers import TieredRadixCache
+
+    pool = KVPool(1, 1, 1, 8)
+    disk = DiskStore(tmp_path, "toy", torch.float32, (1, 1, 1), 4)
+    tree = TieredRadixCache(pool, None, disk)
+    key = [1, 2, 3, 4, 5]
+
+    def compute_and_cache():
+        slots = pool.alloc(5)
+        pool.kv[0, 0, slots, 0, 0] = torch.tensor(key, dtype=torch.float32)
+        tree.insert(key, slots)
+
+    compute_and_cache()
+    tree.evict(8)  # no host: the prefix leaves memory, its full page goes to disk
+    path = disk.files()[0]
+    raw = path.read_bytes()
+    path.write_bytes({"truncate": raw[:-3], "flip": raw[:-1] + bytes([raw[-1] ^ 1]),
+                      "foreign": raw.replace(b'"toy"', b'"yot"')}[damage])
+    match = tree.match_prefix(key)
+    tree.lock(match.last_node)
+    slots = pool.alloc(4)
+    end, node = tree.load_back(key, match.last_node, slots)
+    assert end == 0 and tree.stats["loaded_from_disk_tokens"] == 0  # a miss, counted by reason
+    assert sum(disk.stats[f"miss_{r}"] for r in ("truncated", "corrupt", "foreign")) == 1
+    tree.unlock(node)
+    pool.free(slots)
+    compute_and_cache()
+    tree.evict(8)
+    kv = disk.get(disk.page_hashes(key)[0], key[:4])
+    assert kv is not None and kv[0, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
+    tree.check_invariants()
+    assert pool.num_free == pool.num_slots

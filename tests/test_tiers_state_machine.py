@@ -6,8 +6,15 @@ The reference knows nothing about nodes: it keeps the set of page-aligned prefix
 memory. A prefix appears only by an insert or a load back; it may disappear only if no lock covers
 it, and then (with a disk) its full pages are on disk and read back as the right KV. A match finds
 exactly the longest prefix of the set; device eviction takes the least recently used candidates.
+
+The disk may have a capacity of a few pages. A reference LRU clock (every write, valid read and
+touch) checks each of the store's evictions: the least recently used files go, only as many as the
+new one needs, and the folder never holds more than the capacity after a write. A restart (a new
+tree, pools and store on the same folder) keeps the order.
 """
 
+import itertools
+import os
 import shutil
 import tempfile
 
@@ -23,6 +30,55 @@ from kvlearn.tiers.host import host_pool_for
 tokens = st.lists(st.integers(0, 2), max_size=10)
 
 
+class RecordingDisk(DiskStore):
+    """A DiskStore checked against a reference LRU order. `used`: key -> tick of its last write,
+    valid read or touch (shared across restarts, as the folder is); `evicted`: keys the store
+    deleted and has not written since; `corrupted`: keys the test damaged and nobody rewrote."""
+
+    def __init__(self, *args, used, evicted, corrupted, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.used, self.evicted, self.corrupted = used, evicted, corrupted
+        self.ticks = itertools.count(max(used.values(), default=0) + 1)
+
+    def on_disk(self) -> dict[int, int]:
+        return {int(p.stem, 16): p.stat().st_size for p in self.files()}
+
+    def put(self, key, tokens, kv):
+        before = self.on_disk()
+        super().put(key, tokens, kv)
+        after = self.on_disk()
+        gone = set(before) - set(after)
+        assert key not in gone and set(after) == set(before) - gone | {key}, "a put touched other files"
+        if self.max_bytes is None:
+            assert not gone
+        else:
+            assert sum(after.values()) <= self.max_bytes, "over capacity after a write"
+            kept = set(after) - {key}
+            if gone:
+                assert max(self.used[k] for k in gone) < min((self.used[k] for k in kept), default=float("inf")), (
+                    "the disk did not evict the least recently used entries")
+                newest_gone = max(gone, key=self.used.__getitem__)
+                assert sum(after[k] for k in kept) + before[newest_gone] + after[key] > self.max_bytes, (
+                    "the disk evicted more than the new entry needed")
+        for k in gone:
+            del self.used[k]
+        self.evicted |= gone
+        self.evicted.discard(key)
+        self.corrupted.discard(key)
+        self.used[key] = next(self.ticks)
+
+    def get(self, key, tokens):
+        kv = super().get(key, tokens)
+        if kv is not None:
+            self.used[key] = next(self.ticks)
+        return kv
+
+    def touch(self, key):
+        super().touch(key)
+        if key in self.used:
+            self.used[key] = next(self.ticks)
+
+
 def marker(prefix) -> float:
     """The KV 'value' of the last token of `prefix`: a function of the whole prefix."""
     h = 0
@@ -33,18 +89,30 @@ def marker(prefix) -> float:
 
 class TieredMachine(RuleBasedStateMachine):
     @initialize(page=st.sampled_from([1, 1, 2]), host_slots=st.sampled_from([0, 4, 8, 24]),
-                use_disk=st.booleans(), policy=st.sampled_from(["write_back", "write_through"]))
-    def setup(self, page, host_slots, use_disk, policy):
-        self.page = page
-        self.pool = KVPool(1, 1, 1, 12, page_size=page)
-        self.host = host_pool_for(self.pool, host_slots) if host_slots else None
+                use_disk=st.booleans(), policy=st.sampled_from(["write_back", "write_through"]),
+                disk_pages=st.sampled_from([None, 1, 2, 4]))
+    def setup(self, page, host_slots, use_disk, policy, disk_pages):
+        self.page, self.host_slots, self.policy, self.disk_pages = page, host_slots, policy, disk_pages
         self.folder = tempfile.mkdtemp(prefix="kvlearn-tiers-")
-        self.disk = DiskStore(self.folder, "toy", torch.float32, (1, 1, 1), 2 * page) if use_disk else None
-        self.tree = TieredRadixCache(self.pool, self.host, self.disk, policy)
+        self.used, self.evicted = {}, set()  # the disk's reference LRU clock and evictions
+        self.corrupted = set()  # disk keys we damaged (and nobody rewrote)
+        self.keys = []         # keys inserted so far, to match again
+        self.build(use_disk)
+
+    def build(self, use_disk):
+        """Fresh pools, store and tree (on the same folder after a restart)."""
+        self.pool = KVPool(1, 1, 1, 12, page_size=self.page)
+        self.host = host_pool_for(self.pool, self.host_slots) if self.host_slots else None
+        self.disk = None
+        if use_disk:
+            shape, p = (1, 1, 1), 2 * self.page
+            entry = DiskStore(self.folder, "toy", torch.float32, shape, p).max_entry_bytes
+            self.disk = RecordingDisk(self.folder, "toy", torch.float32, shape, p, used=self.used,
+                                      evicted=self.evicted, corrupted=self.corrupted,
+                                      max_bytes=self.disk_pages and self.disk_pages * entry)
+        self.tree = TieredRadixCache(self.pool, self.host, self.disk, self.policy)
         self.present = set()   # reference: page-aligned prefixes held in memory (device or host)
         self.locks = []        # (node, locked prefix)
-        self.corrupted = set()  # disk keys we damaged
-        self.keys = []         # keys inserted so far, to match again
 
     def teardown(self):
         if hasattr(self, "folder"):
@@ -88,7 +156,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     def assert_on_disk(self, prefix):
         key = self.disk.page_hashes(prefix)[-1]
-        if key in self.corrupted:
+        if key in self.corrupted or key in self.evicted:  # damaged, or deleted for room (checked at the put)
             return
         kv = self.disk.get(key, prefix[-self.disk.page_tokens:])
         assert kv is not None, f"{prefix} left memory but is not on disk"
@@ -149,9 +217,33 @@ class TieredMachine(RuleBasedStateMachine):
         self.pool.free(slots[end:])
         self.locks[-1] = (node, key[:end])
         self.expect_changes(self.pages(key[:end]))
+        if end < len(key) and data.draw(st.booleans()):  # as the engine does: compute the rest, cache it all
+            node = self.compute_rest(key, end, node)
         if not keep:
             self.locks.pop()
             self.tree.unlock(node)
+
+    def compute_rest(self, key, end, node):
+        """After a load back to `end` (locked at `node`): compute key[end:] in fresh slots and insert
+        the whole key; move the lock to its end. (A damaged page missed on the way is written anew.)"""
+        if not self.device_free(len(key) - end):
+            self.expect_changes(())
+            return node
+        match = self.tree.match_prefix(list(key[:end]))  # the loaded head, on the device and locked
+        fresh = self.pool.alloc(len(key) - end)
+        self.write_markers(key, fresh, start=end)
+        _, whole = self.tree.insert_prefix(list(key), torch.cat([match.indices, fresh]))
+        assert len(whole) == len(key)
+        self.pool.free(fresh[fresh != whole.indices[end:]])  # duplicates (none: the tree ended at `end`)
+        self.tree.lock(whole.last_node)
+        self.tree.unlock(node)
+        self.locks[-1] = (whole.last_node, key)
+        self.expect_changes(self.pages(key))
+        if self.tree.write_policy == "write_through" and self.disk is not None:
+            for prefix in self.pages(key):
+                if len(prefix) % self.disk.page_tokens == 0:
+                    self.assert_on_disk(prefix)
+        return whole.last_node
 
     @rule(data=st.data(), key=tokens)
     def match_only(self, data, key):
@@ -190,7 +282,7 @@ class TieredMachine(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["truncate", "flip", "foreign"]))
     def damage_a_disk_file(self, data, how):
         path = data.draw(st.sampled_from(self.disk.files()))
-        raw = path.read_bytes()
+        raw, stamp = path.read_bytes(), path.stat().st_mtime_ns
         if how == "truncate":
             raw = raw[:len(raw) // 2]
         elif how == "flip":
@@ -198,7 +290,17 @@ class TieredMachine(RuleBasedStateMachine):
         else:
             raw = raw.replace(b'"model": "toy"', b'"model": "yot"')
         path.write_bytes(raw)
+        os.utime(path, ns=(stamp, stamp))  # damage is not a use: the LRU order stays
         self.corrupted.add(int(path.stem, 16))
+
+    @precondition(lambda self: self.disk is not None and not self.locks)
+    @rule()
+    def restart(self):
+        """A new process: empty pools and tree, a new store on the warm folder, the same order."""
+        order = self.disk.lru_order()
+        assert order == sorted(order, key=self.used.__getitem__), "the folder's LRU order is not the reference's"
+        self.build(use_disk=True)
+        assert self.disk.lru_order() == order
 
     # --- invariants --------------------------------------------------------------------------
     @invariant()

@@ -55,9 +55,30 @@ class TieredRadixKV(RadixKV):
         if super()._admit_after(req, prefix, last_node) is None:
             return None
         h = req.kv
-        h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], last_node,
-                                                        self.rows.req_to_token[h.row, :h.num_slots])
+        row = self.rows.req_to_token[h.row, :h.num_slots]
+        try:
+            h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], last_node, row)
+        except BaseException:
+            # Undo the admission; `admit` then unlocks `last_node`, which still holds the lock. The
+            # tree keeps the slots it adopted (nodes brought back before the failure); the
+            # request's other slots and its row go back.
+            h.prefix_len = self.tree.device_head(req.token_ids[:-1], row)
+            self._free_private(req)
+            raise
         return h.prefix_len
+
+    def _insert(self, req: Request, n: int, keep_locked: bool) -> None:
+        try:
+            super()._insert(req, n, keep_locked)
+        except BaseException:
+            # write_through copies after the insert itself: if a copy failed, the tree already owns
+            # the request's slots it took. They are no longer the request's to free; running
+            # `_insert` again (release does) finishes the job.
+            h = req.kv
+            if h is not None:
+                row = self.rows.req_to_token[h.row, :h.num_slots]
+                h.prefix_len = max(h.prefix_len, self.tree.device_head(req.token_ids, row))
+            raise
 
     def check(self, running: list[Request]) -> None:
         super().check(running)

@@ -24,7 +24,14 @@ Invariants (`check_invariants`, on top of chapter 3's):
   first: each moves to the host (copied there first if it has no copy), or, if the host cannot take
   it, leaves the tree with everything below it (written to disk first, if there is a disk);
 - the host evicts, least recently used first, copies of device nodes (the node stays on the
-  device) and unlocked off-device leaves (they leave the tree, written to disk first).
+  device) and unlocked off-device leaves (they leave the tree, written to disk first);
+- the disk, if it has a capacity, deletes its least recently used pages to make room for a new
+  one (`kvlearn.tiers.disk`); a node leaving memory writes again the pages the disk has dropped
+  (or found bad) since, and stamps the others as just used.
+
+Faults: each method that moves KV between tiers makes its fallible call (a pool's free, a host
+allocation, a disk write) before it changes the tree, so an exception there leaves every tier whole
+and a later eviction can try again; `load_back` keeps the lock where it was if it fails (see it).
 """
 
 from __future__ import annotations
@@ -74,9 +81,11 @@ class TieredRadixCache(RadixCache):
 
     # --- where KV lives -----------------------------------------------------------------------
     def tiers(self, node: TreeNode) -> tuple[str, ...]:
-        """Where this node's KV is: some of "device", "host", "disk"."""
+        """Where this node's KV is: some of "device", "host", "disk" (disk: its pages were written
+        or read, and every full page that ends inside it is still there, not evicted since)."""
+        on_disk = node.id in self._on_disk and all(map(self.disk.contains, self._disk_keys(node)[0]))
         return tuple(name for name, here in (("device", node.id not in self._off_device),
-                                             ("host", node.id in self._host), ("disk", node.id in self._on_disk))
+                                             ("host", node.id in self._host), ("disk", on_disk))
                      if here)
 
     @property
@@ -138,7 +147,11 @@ class TieredRadixCache(RadixCache):
         match's locked `last_node`; `slots` are device slots for `key`, the match's device part at
         their head and fresh slots after. Copies the path's off-device nodes from the host into
         their slots, then whole disk pages that continue the path; moves the lock to the end of what
-        was loaded. Returns (tokens of `key` now on the device, the locked node)."""
+        was loaded. Returns (tokens of `key` now on the device, the locked node).
+
+        If it raises, `node` still holds the lock, and the tree holds on the device a head of
+        `slots` along `key` (nodes brought back before the failure): `device_head(key, slots)`
+        tokens; the rest of `slots` is still the caller's."""
         offset = 0
         for x in self._path(node):
             n = len(x.key)
@@ -151,11 +164,33 @@ class TieredRadixCache(RadixCache):
         end = self._load_disk(list(key), offset, slots)
         if end == offset:
             return offset, node
-        _, match = self.insert_prefix(list(key[:end]), slots[:end])
-        self._on_disk.add(match.last_node.id)
-        self.lock(match.last_node)
-        self.unlock(node)
-        return end, match.last_node
+        # Chapter 3's plain insert: the path is on the device now, nothing to adopt; write_through's
+        # host copy of the new node waits for the insert after the forward, which copies the path.
+        _, match = RadixCache.insert_prefix(self, list(key[:end]), slots[:end])
+        loaded = match.last_node
+        self._on_disk.add(loaded.id)
+        self.lock(loaded)
+        try:
+            self.unlock(node)
+        except BaseException:  # the lock stays where it was
+            self.unlock(loaded)
+            raise
+        return end, loaded
+
+    def device_head(self, key, slots: torch.Tensor) -> int:
+        """How many leading tokens of `key` the tree holds on the device in exactly `slots` (a pure
+        query: after a failed `load_back`, the part of `slots` the tree has adopted)."""
+        key = self._aligned(self._as_key(key))
+        node, i = self.root, 0
+        while i < len(key):
+            child = node.children.get(self._child_key(key[i:]))
+            if child is None or child.id in self._off_device:
+                break
+            n = len(child.key)
+            if key[i:i + n] != child.key or not torch.equal(child.value, slots[i:i + n].to(child.value.device)):
+                break
+            node, i = child, i + n
+        return i
 
     def _load_disk(self, key: list, start: int, slots: torch.Tensor) -> int:
         """Read the valid disk pages that continue key[:start] into `slots`; return the new end."""
@@ -268,33 +303,41 @@ class TieredRadixCache(RadixCache):
         """Free at least `num_tokens` device slots (fewer if not that many are evictable), least
         recently used node first; return how many were freed. Nodes move down rather than leave."""
         check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
-        freed, host_leaves = 0, []
-        while freed < num_tokens and self._heap:
-            entry = heapq.heappop(self._heap)
-            node = self._nodes.get(entry[1])
-            if node is None or node.last_access != entry[0] or not self._is_candidate(node):
-                continue
-            if node.id in self._off_device:  # an off-device leaf: the host's to evict, keep its entry
-                host_leaves.append(entry)
-                continue
-            freed += self._evict_device(node)
-        for entry in host_leaves:
-            heapq.heappush(self._heap, entry)
+        freed, kept = 0, []  # kept: popped entries that stay candidates (off-device leaves, a failure)
+        try:
+            while freed < num_tokens and self._heap:
+                entry = heapq.heappop(self._heap)
+                node = self._nodes.get(entry[1])
+                if node is None or node.last_access != entry[0] or not self._is_candidate(node):
+                    continue
+                if node.id in self._off_device:  # an off-device leaf: the host's to evict, keep its entry
+                    kept.append(entry)
+                    continue
+                kept.append(entry)  # until it is off the device: a failure half way leaves it a candidate
+                freed += self._evict_device(node)
+                kept.pop()
+        finally:
+            for entry in kept:
+                heapq.heappush(self._heap, entry)
         return freed
 
     def _evict_device(self, node: TreeNode) -> int:
         """Take an unlocked node with no child on the device off the device; return slots freed."""
-        n, parent = len(node.key), node.parent
+        n = len(node.key)
         if node.id in self._host or self._backup(node):
-            self.pool.free(node.value)
-            node.value = self._host[node.id]
-            self._off_device.add(node.id)
-            self._off_unlocked += n
-            self._touch_leaf(node)
-            self._touch_leaf(parent)
+            self._demote(node)
         else:  # no room in memory below the device: it leaves, with its off-device subtree
             self._remove(node)
         return n
+
+    def _demote(self, node: TreeNode) -> None:
+        """Free an unlocked device node's slots; its host copy becomes its KV (off the device)."""
+        self.pool.free(node.value)  # the one call that may fail: then nothing has changed
+        node.value = self._host[node.id]
+        self._off_device.add(node.id)
+        self._off_unlocked += len(node.key)
+        self._touch_leaf(node)
+        self._touch_leaf(node.parent)
 
     # --- host eviction ---------------------------------------------------------------------------
     def _backup(self, node: TreeNode) -> bool:
@@ -324,12 +367,13 @@ class TieredRadixCache(RadixCache):
             if not candidates:
                 break
             victim = min(candidates, key=lambda x: (x.last_access, x.id))
-            freed += len(victim.key)
             if victim.id in self._off_device:
                 self._remove(victim)
             else:
-                self.host.free(self._host.pop(victim.id))
+                self.host.free(self._host[victim.id])  # freed first: if it fails, the copy is still held
+                del self._host[victim.id]
                 self._host_tokens -= len(victim.key)
+            freed += len(victim.key)
         return freed
 
     def _remove(self, node: TreeNode) -> None:
@@ -337,7 +381,16 @@ class TieredRadixCache(RadixCache):
         their pages to disk (if there is one) and giving back their slots in every tier."""
         for child in list(node.children.values()):
             self._remove(child)
-        self._persist(node)
+        self._persist(node, leaving=True)
+        # Slots go back before the node leaves, one tier at a time, so a failing free leaves a
+        # whole node (on the host only, after the device's free) that a later eviction takes again.
+        if node.id not in self._off_device:
+            if node.id in self._host:
+                self._demote(node)
+            else:
+                self.pool.free(node.value)
+        if node.id in self._host:
+            self.host.free(self._host[node.id])
         n, parent = len(node.key), node.parent
         del parent.children[self._child_key(node.key)]
         del self._nodes[node.id]
@@ -346,29 +399,40 @@ class TieredRadixCache(RadixCache):
         if node.id in self._off_device:
             self._off_device.discard(node.id)
             self._off_unlocked -= n
-        else:
-            self.pool.free(node.value)
-        if node.id in self._host:
-            self.host.free(self._host.pop(node.id))
+        if self._host.pop(node.id, None) is not None:
             self._host_tokens -= n
         self._on_disk.discard(node.id)
         self._touch_leaf(parent)
 
     # --- disk ----------------------------------------------------------------------------------
-    def _persist(self, node: TreeNode) -> None:
+    def _persist(self, node: TreeNode, leaving: bool = False) -> None:
         """Write to disk every full page that ends inside this node and is not there yet (a page
-        that starts in an ancestor takes those tokens' KV from the ancestor)."""
-        if self.disk is None or node.id in self._on_disk:
+        that starts in an ancestor takes those tokens' KV from the ancestor). A node written once
+        is skipped, unless it is `leaving` memory: then pages already on disk are stamped as just
+        used (the disk's LRU counts this write-back as a use), and pages the disk has evicted since
+        (or found bad) are written again."""
+        if self.disk is None or (node.id in self._on_disk and not leaving):
             return
+        keys, path, tokens = self._disk_keys(node)
+        p = self.disk.page_tokens
+        first = (len(tokens) - len(node.key)) // p
+        for i, key in enumerate(keys, start=first):
+            if not self.disk.contains(key):
+                self.disk.put(key, tokens[i * p:(i + 1) * p], self._gather(path, i * p, (i + 1) * p))
+                self.stats["offloaded_tokens"] += p
+            elif leaving:
+                self.disk.touch(key)
+        self._on_disk.add(node.id)
+
+    def _disk_keys(self, node: TreeNode) -> tuple[list[int], list[TreeNode], list[int]]:
+        """The disk keys of the full pages that end inside `node`, its path and the path's tokens."""
         path = self._path(node)
         tokens = [t for x in path for t in x.key]
-        p, end = self.disk.page_tokens, len(tokens)
+        if self.disk is None:
+            return [], path, tokens
+        p = self.disk.page_tokens
         hashes = self.disk.page_hashes(tokens)
-        for i in range((end - len(node.key)) // p, end // p):
-            if not self.disk.contains(hashes[i]):
-                self.disk.put(hashes[i], tokens[i * p:(i + 1) * p], self._gather(path, i * p, (i + 1) * p))
-                self.stats["offloaded_tokens"] += p
-        self._on_disk.add(node.id)
+        return hashes[(len(tokens) - len(node.key)) // p:], path, tokens
 
     def _gather(self, path: list[TreeNode], start: int, end: int) -> torch.Tensor:
         """KV of tokens [start, end) of a path, read from whichever tier holds each node."""
