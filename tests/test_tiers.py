@@ -167,8 +167,9 @@ def test_tier_options_are_checked_before_anything_is_built(model, tokenizer, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(host_slots=512),
-                                     dict(host_slots=128, disk_dir=True, write_policy="write_through")],
-                         ids=["host", "host+disk"])
+                                     dict(host_slots=128, disk_dir=True, write_policy="write_through"),
+                                     dict(host_slots=16, disk_dir=True, disk_max_bytes=3 * 740_000)],
+                         ids=["host", "host+disk", "host+small disk"])
 def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path, options):
     """Multi-turn chat in a device pool of ~20% of its need: prefixes move down and come back
     (every step checks slot conservation in both pools) and the tokens stay Hugging Face's."""
@@ -185,6 +186,9 @@ def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path, options
     for out, prompt in zip(outputs, chat.prompts):
         assert out.token_ids == hf_greedy(model, prompt, max_new)
     assert loaded > 0 and engine.stats["offloaded_tokens"] > 0
+    if "disk_max_bytes" in options:  # three pages of 16 tokens' fp32 KV (720 KiB each)
+        disk = engine.kv.tree.disk
+        assert disk.stats["pages_evicted"] > 0 and disk.used_bytes() <= disk.max_bytes
     engine.kv.tree.check_invariants()
     engine.evict_all()
     assert engine.pool.num_free == engine.pool.num_slots
