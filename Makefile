@@ -68,8 +68,11 @@ thorough: setup
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
 
 # vLLM joins the bench as a peer once `make peers` has built its venv (the stamp says it finished).
+# Two workloads (a shared system prompt; no sharing at all), then chunked prefill's latencies.
 bench: setup
 	$(PY) -m kvlearn bench $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
+	$(PY) -m kvlearn bench --workload no_sharing $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
+	$(PY) -m kvlearn.bench.chunked
 
 # vLLM's CPU build in its own venv: it pins its own torch and transformers, so it never enters
 # requirements.txt. It pulls torchvision, torchaudio and torchcodec, which a text model never uses.

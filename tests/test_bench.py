@@ -72,7 +72,11 @@ def test_decode_step_efficiency_is_measured_against_a_plain_read(model, shared):
     e = step_efficiency(model, shared.prompt_lists()[:2], fast=True, rounds=1)
     assert e["weight_bytes"] == weight_bytes(model) > 500e6 and e["batch"] == 2 and e["fast"]
     assert e["efficiency"] == pytest.approx(e["weight_read_gb_s"] / e["plain_read_gb_s"], rel=0.02)
-    assert "of a plain read" in describe_efficiency(e)
+    assert "of a plain read" in describe_efficiency(e) and "matrix-product rate" in describe_efficiency(e)
+    # Two tokens per step: 2 x 2 FLOPs per weight, at the measured product rate.
+    flops = 4 * e["weight_bytes"] / 4
+    assert e["flop_floor_ms"] == pytest.approx(flops / (e["matmul_gflop_s"] * 1e9) * 1e3, rel=0.02)
+    assert e["floor_efficiency"] == pytest.approx(max(e["read_floor_ms"], e["flop_floor_ms"]) / e["step_ms"], rel=0.05)
 
 
 @pytest.mark.slow

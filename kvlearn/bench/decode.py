@@ -8,9 +8,11 @@ times a few decode steps of the packed batch, then the same number of tokens one
 time, so both see the same machine load; the best round of each is reported (timings on a shared
 CPU are noisy, the best is the least disturbed).
 
-A decode step must read every weight once, so its floor is weight bytes / memory bandwidth.
-`step_efficiency` times a packed decode step against a plain read (`sum`) of as many bytes, in
-alternating rounds.
+A decode step must read every weight once, so one floor is weight bytes / memory bandwidth. It
+must also multiply every weight by every sequence's token: 2 x batch x parameters FLOPs, so the
+other floor is that over the machine's matrix-product rate. On a few CPU cores the second can be the
+higher one already at a batch of 16. `step_efficiency` times a packed decode step, a plain read
+(`sum`) of as many bytes as the weights, and a large square matrix product, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ def weight_bytes(model) -> int:
 
 def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict:
     """Best time of one packed decode step of `prompts` (prefilled first) through a fresh runner,
-    and best time of a plain `sum` over as many bytes as the weights, in alternating rounds.
-    `efficiency` is the share of that plain read bandwidth the step reaches on its weights."""
+    of a plain `sum` over as many bytes as the weights, and of a 1024 x 1024 matrix product, in
+    alternating rounds. `efficiency` is the share of that plain read bandwidth the step reaches on
+    its weights; `read_floor_ms` and `flop_floor_ms` are the step's two lower bounds (weights at the
+    plain read's bandwidth; 2 x batch x weights FLOPs at the product's rate), and `floor_efficiency`
+    the larger of them over the step time."""
     from kvlearn.pool import KVPool
     from kvlearn.runner import ModelRunner
 
@@ -110,9 +115,10 @@ def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict
     num_slots = sum(len(p) + rounds + 1 for p in prompts)
     runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=num_slots, device=model.device), fast=fast)
     block = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)  # touched before timing
+    square = torch.randn(1024, 1024, dtype=model.dtype, device=model.device)
     batch = DecodeBatch(runner, prompts)
     members = list(range(len(prompts)))
-    step = read = float("inf")
+    step = read = product = float("inf")
     try:
         batch.step(members)  # warm-up
         for _ in range(rounds):
@@ -122,12 +128,19 @@ def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict
             start = time.perf_counter()
             block.sum().item()
             read = min(read, time.perf_counter() - start)
+            start = time.perf_counter()
+            (square @ square)[0, 0].item()
+            product = min(product, time.perf_counter() - start)
         context = sum(len(s) for s in batch.slots) / len(prompts)
     finally:
         batch.close()
+    flop_rate = 2 * 1024 ** 3 / product
+    flop_floor = 2 * len(prompts) * nbytes / block.element_size() / flop_rate
     return {"batch": len(prompts), "mean_context_tokens": round(context, 1), "fast": fast, "weight_bytes": nbytes,
             "step_ms": round(step * 1e3, 2), "weight_read_gb_s": round(nbytes / step / 1e9, 2),
-            "plain_read_gb_s": round(nbytes / read / 1e9, 2), "efficiency": round(read / step, 3)}
+            "plain_read_gb_s": round(nbytes / read / 1e9, 2), "efficiency": round(read / step, 3),
+            "matmul_gflop_s": round(flop_rate / 1e9, 1), "read_floor_ms": round(read * 1e3, 2),
+            "flop_floor_ms": round(flop_floor * 1e3, 2), "floor_efficiency": round(max(read, flop_floor) / step, 3)}
 
 
 def describe_efficiency(e: dict) -> str:
@@ -136,7 +149,10 @@ def describe_efficiency(e: dict) -> str:
     return (f"decode step, {path} ({e['batch']} sequences, {e['mean_context_tokens']:.0f} context tokens on average): "
             f"{e['step_ms']:.1f} ms; {e['weight_bytes'] / 1e6:.0f} MB of weights read at "
             f"{e['weight_read_gb_s']:.1f} GB/s = {e['efficiency']:.0%} of a plain read in the same run "
-            f"({e['plain_read_gb_s']:.1f} GB/s)")
+            f"({e['plain_read_gb_s']:.1f} GB/s). Floors: reading the weights {e['read_floor_ms']:.1f} ms; "
+            f"multiplying them by {e['batch']} tokens at this machine's matrix-product rate "
+            f"({e['matmul_gflop_s']:.0f} GFLOP/s) {e['flop_floor_ms']:.1f} ms; the step is at "
+            f"{e['floor_efficiency']:.0%} of the higher floor")
 
 
 def plot_throughput(by_batch: dict[int, float]):
