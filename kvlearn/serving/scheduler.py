@@ -15,7 +15,9 @@ step, while the running requests keep decoding. Without it, such a prompt waits 
 runs and is then computed whole, in one long step that every other request waits for. A chunk is
 an ordinary prefill over a cached prefix (the prompt's own earlier chunks): its tokens' slots were
 allocated at admission, its logits are thrown away, and the prompt joins the cache after its last
-chunk.
+chunk. So a request that shares a prefix with a prompt still in chunks is held back one step only:
+after that it computes the shared part itself (vLLM and SGLang cache each chunk as it is computed;
+kvlearn keeps the simpler rule, and a preempted request's computed chunks do go to the cache).
 
 A request that shares a not-yet-computed prefix with one admitted in the same step waits a step:
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
