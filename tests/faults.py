@@ -25,7 +25,7 @@ TIER_SITES = {
     "kv.tree": ("load_back", "_load_disk", "_to_device", "_backup", "_evict_device", "_evict_host", "_remove",
                 "_persist"),
     "kv.tree.host": ("alloc", "free"),
-    "kv.tree.disk": ("get", "put", "touch", "_make_room"),
+    "kv.tree.disk": ("get", "holds", "put", "touch", "_make_room"),
 }
 
 

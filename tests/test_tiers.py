@@ -263,6 +263,16 @@ def test_a_bad_entry_is_replaced_when_its_page_is_written_again(tmp_path):
     assert disk.contains(9) and disk.get(9, [1, 2, 3, 4]) is None and not disk.contains(9)
     disk.put(9, [1, 2, 3, 4], page(1.0))
     assert disk.contains(9) and torch.equal(disk.get(9, [1, 2, 3, 4]), page(1.0))
+    # Damage found before any read: the tree asks `holds` (the header and the size) before a write.
+    raw = path.read_bytes()
+    for damaged, reason in ((raw[:-1], "truncated"), (raw + b"x", "corrupt"),
+                            (raw.replace(b'"model": "m"', b'"model": "n"'), "foreign")):
+        fresh = DiskStore(tmp_path, "m", torch.float32, SHAPE, page_tokens=4)  # knows nothing bad yet
+        path.write_bytes(damaged)
+        assert fresh.contains(9) and not fresh.holds(9, [1, 2, 3, 4]) and fresh.stats[f"miss_{reason}"] == 1
+        fresh.put(9, [1, 2, 3, 4], page(1.0))
+        assert fresh.holds(9, [1, 2, 3, 4]) and torch.equal(fresh.get(9, [1, 2, 3, 4]), page(1.0))
+    assert disk.holds(9, [1, 2, 3, 4]) and not disk.holds(9, [1, 2, 3, 5])  # other tokens: never theirs
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])

@@ -4,7 +4,8 @@
 
 1. Multi-turn chat (each round of turns one `generate` call, as users take turns) with a device
    pool of ~20% of what the workload needs: computed prefill and wall time with no tiers, a host
-   tier, and host + disk; the tokens must be identical in all three.
+   tier, host + disk, and host + a disk capped at half of what that run wrote (least recently
+   used pages deleted); the tokens must be identical in all four.
 2. Per token, the time to bring KV back from the host and from disk against recomputing it.
 3. Restart: the same workload in a fresh process (`--restart DIR`) with the disk folder warm.
 Timings depend on the machine and its load; the ratios printed together come from one run.
@@ -33,6 +34,7 @@ CHAT = dict(num_conversations=3, num_turns=4)
 MAX_NEW = 16
 KEYS = ("computed_prefill_tokens", "cached_tokens", "offloaded_tokens", "loaded_from_host_tokens",
         "loaded_from_disk_tokens", "evicted_tokens", "preemptions")
+DISK_KEYS = ("disk_pages_written", "disk_pages_evicted")  # with a disk tier only
 
 
 def chat_workload(tokenizer):
@@ -45,21 +47,27 @@ def chat_workload(tokenizer):
 def serve_chat(engine, chat) -> tuple[dict, list]:
     """Run the chat round by round; sum the stats of every round; return them and the tokens."""
     rounds, per_round = CHAT["num_turns"], CHAT["num_conversations"]
-    total, tokens = dict.fromkeys(KEYS + ("wall_time_s",), 0), []
+    keys = KEYS + (DISK_KEYS if getattr(engine.cache, "disk", None) is not None else ()) + ("wall_time_s",)
+    total, tokens = dict.fromkeys(keys, 0), []
     for r in range(rounds):
         outputs = engine.generate(chat.prompt_lists()[r * per_round:(r + 1) * per_round], max_new_tokens=MAX_NEW)
         tokens += [o.token_ids for o in outputs]
         total = {k: total[k] + engine.stats[k] for k in total}
     total["wall_time_s"] = round(total["wall_time_s"], 3)
+    if "disk_pages_written" in total:
+        total["disk_bytes"] = engine.cache.disk.used_bytes()
     return total, tokens
 
 
-def tier_runs(model, tokenizer, disk_dir) -> dict:
+def tier_runs(model, tokenizer, disk_dir, capped_dir) -> dict:
     chat, need, device_slots = chat_workload(tokenizer)
-    configs = {"no tiers": {}, "host": dict(host_slots=need),
-               "host+disk": dict(host_slots=need // 4, disk_dir=disk_dir, write_policy="write_through")}
+    with_disk = dict(host_slots=need // 4, disk_dir=disk_dir, write_policy="write_through")
+    configs = {"no tiers": {}, "host": dict(host_slots=need), "host+disk": with_disk,
+               "host+capped disk": dict(with_disk, disk_dir=capped_dir)}
     runs, reference = {}, None
     for name, options in configs.items():
+        if name == "host+capped disk":  # half of what the uncapped disk held at the end
+            options["disk_max_bytes"] = runs["host+disk"]["disk_bytes"] // 2
         stats, tokens = serve_chat(Engine(model, tokenizer, num_slots=device_slots, **options), chat)
         reference = reference or tokens
         stats["same_tokens"] = tokens == reference
@@ -122,8 +130,9 @@ def main(argv=None) -> dict:
         return {}
     model, tokenizer = load_model()
     with tempfile.TemporaryDirectory(prefix="kvlearn-tiers-") as disk_dir, \
+            tempfile.TemporaryDirectory(prefix="kvlearn-capped-") as capped_dir, \
             tempfile.TemporaryDirectory(prefix="kvlearn-load-") as load_dir:
-        result = tier_runs(model, tokenizer, disk_dir)
+        result = tier_runs(model, tokenizer, disk_dir, capped_dir)
         result["load_vs_recompute"] = load_vs_recompute(model, tokenizer, load_dir)
         child = subprocess.run([sys.executable, "-m", "kvlearn.bench.tiers", "--restart", disk_dir],
                                capture_output=True, text=True, check=True)
@@ -135,11 +144,14 @@ def main(argv=None) -> dict:
 def _report(r: dict) -> str:
     lines = [f"{r['workload']}: {r['prompt_tokens']} prompt tokens; device pool {r['device_slots']} slots "
              f"of the {r['need_slots']} it needs without sharing"]
-    lines.append(f"{'':<22}{'computed prefill':>17}{'wall s':>9}{'from host':>10}{'from disk':>10}{'same tokens':>12}")
+    lines.append(f"{'':<22}{'computed prefill':>17}{'wall s':>9}{'from host':>10}{'from disk':>10}"
+                 f"{'disk pages':>11}{'evicted':>8}{'same tokens':>12}")
     runs = dict(r["runs"], **{"restart (disk only)": r["restart_fresh_process"]})
     for name, s in runs.items():
         lines.append(f"{name:<22}{s['computed_prefill_tokens']:>17}{s['wall_time_s']:>9}"
-                     f"{s['loaded_from_host_tokens']:>10}{s['loaded_from_disk_tokens']:>10}{str(s.get('same_tokens', '')):>12}")
+                     f"{s['loaded_from_host_tokens']:>10}{s['loaded_from_disk_tokens']:>10}"
+                     f"{s.get('disk_pages_written', ''):>11}{s.get('disk_pages_evicted', ''):>8}"
+                     f"{str(s.get('same_tokens', '')):>12}")
     lv = r["load_vs_recompute"]
     lines.append(f"per token ({lv['bytes_per_token']} bytes of KV): " + ", ".join(
         f"{k} {v} us" for k, v in lv["us_per_token"].items())

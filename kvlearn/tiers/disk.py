@@ -11,7 +11,9 @@ Invariants:
 - a file is loaded only if its header names this store's model, dtype and page shape, its token
   ids are the page's, and the payload has the stated length and checksum; anything else is a miss,
   counted in `stats` by reason, and never becomes KV. The store remembers the key as bad: it no
-  longer `contains` it, so the next write of that page replaces the file with a good one;
+  longer `contains` or `holds` it, so the next write of that page replaces the file with a good
+  one. (`holds`, which the tree asks before writing a page, reads the header only: it finds a
+  truncated or foreign file, a flipped bit in the KV waits for `get`'s checksum);
 - with a capacity (`max_bytes`), the entries' files never take more than `max_bytes` after a
   write: before it, the least recently used entries are deleted until the new one fits.
 
@@ -97,10 +99,14 @@ class DiskStore:
         """Bytes of one page's KV."""
         return torch.Size(self.page_shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
 
+    def entry_bytes(self, tokens) -> int:
+        """Bytes of the file that holds one page for these tokens: its KV and its header."""
+        return len(self._encode(tokens, bytes(self.payload_bytes)))
+
     @property
     def max_entry_bytes(self) -> int:
-        """The largest file one entry can be: its KV and a header with the longest token ids."""
-        return len(self._encode([2**63 - 1] * self.page_tokens, b"\0" * self.payload_bytes))
+        """The largest file one entry can be (token ids of 19 digits): a capacity holds at least one."""
+        return self.entry_bytes([2**63 - 1] * self.page_tokens)
 
     # --- keys -------------------------------------------------------------------------------------
     def page_hashes(self, tokens) -> list[int]:
@@ -115,8 +121,8 @@ class DiskStore:
         return self.folder / f"{key:016x}.kv"
 
     def files(self) -> list[Path]:
-        """The entries' files (not the temporary files of writes in progress), by name."""
-        return sorted(p for p in self.folder.glob("*.kv") if not p.name.startswith("."))
+        """The entries' files (not temporary files of writes in progress, nor other files), by name."""
+        return sorted(p for p in self.folder.glob("*.kv") if _is_entry(p.name))
 
     def used_bytes(self) -> int:
         """Bytes the entries' files take now."""
@@ -169,7 +175,7 @@ class DiskStore:
         out = []
         with os.scandir(self.folder) as it:
             for e in it:
-                if e.name.endswith(".kv") and not e.name.startswith("."):
+                if _is_entry(e.name):
                     try:
                         st = e.stat()
                     except FileNotFoundError:
@@ -232,18 +238,47 @@ class DiskStore:
         self.stats["pages_read"] += 1
         return torch.frombuffer(bytearray(payload), dtype=self.dtype).reshape(self.page_shape)
 
+    def holds(self, key: int, tokens) -> bool:
+        """Whether an entry for exactly these tokens that looks whole is on disk, reading only its
+        header: this store's kind, these tokens, the right size. (A flipped bit in the KV is found
+        by `get`'s checksum.) A file that fails is counted as a miss and remembered as bad."""
+        if key in self._bad:
+            return False
+        try:
+            with open(self.path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(len(MAGIC) + _HEADER_LEN.size)
+                if len(head) == len(MAGIC) + _HEADER_LEN.size and head.startswith(MAGIC):
+                    head += f.read(_HEADER_LEN.unpack(head[len(MAGIC):])[0])
+        except OSError:
+            return False
+        header, _, reason = self._parse_head(head, size)
+        if reason is None and header["tokens"] != list(map(int, tokens)):
+            reason = "foreign"
+        if reason is not None:
+            self._bad.add(key)
+            self._miss(reason)
+            return False
+        return True
+
     def _parse(self, data: bytes):
         """(header, payload, None) for a file of this store's kind, else (None, None, reason)."""
+        header, start, reason = self._parse_head(data, len(data))
+        return (None, None, reason) if reason else (header, data[start:], None)
+
+    def _parse_head(self, head: bytes, file_size: int):
+        """From a file's first bytes (at least its header) and its size: (header, where the payload
+        starts, None) for a file of this store's kind and the right size, else (None, None, reason)."""
         n = len(MAGIC) + _HEADER_LEN.size
-        if len(data) < n:
+        if len(head) < n:
             return None, None, "truncated"
-        if not data.startswith(MAGIC):
+        if not head.startswith(MAGIC):
             return None, None, "corrupt"
-        (size,) = _HEADER_LEN.unpack(data[len(MAGIC):n])
-        if len(data) < n + size:
+        (size,) = _HEADER_LEN.unpack(head[len(MAGIC):n])
+        if len(head) < n + size:
             return None, None, "truncated"
         try:
-            header = json.loads(data[n:n + size])
+            header = json.loads(head[n:n + size])
             mine = (header["model"], header["dtype"], header["shape"]) == \
                 (self.model_id, str(self.dtype).removeprefix("torch."), list(self.page_shape))
             payload_bytes = int(header["payload_bytes"])
@@ -251,14 +286,19 @@ class DiskStore:
             return None, None, "corrupt"
         if not mine:
             return None, None, "foreign"
-        payload = data[n + size:]
-        if len(payload) != payload_bytes:
-            return None, None, "truncated" if len(payload) < payload_bytes else "corrupt"
-        return header, payload, None
+        if file_size - n - size != payload_bytes:
+            return None, None, "truncated" if file_size - n - size < payload_bytes else "corrupt"
+        return header, n + size, None
 
     def _miss(self, reason: str) -> None:
         self.stats[f"miss_{reason}"] += 1
         return None
+
+
+def _is_entry(name: str) -> bool:
+    """Whether a file name is an entry's: 16 hex digits and ".kv"."""
+    stem, dot, ext = name.partition(".")
+    return dot == "." and ext == "kv" and len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
 
 
 def check_folder(folder) -> Path:

@@ -410,15 +410,16 @@ class TieredRadixCache(RadixCache):
         that starts in an ancestor takes those tokens' KV from the ancestor). A node written once
         is skipped, unless it is `leaving` memory: then pages already on disk are stamped as just
         used (the disk's LRU counts this write-back as a use), and pages the disk has evicted since
-        (or found bad) are written again."""
+        (or found bad, by a read or by their header) are written again."""
         if self.disk is None or (node.id in self._on_disk and not leaving):
             return
         keys, path, tokens = self._disk_keys(node)
         p = self.disk.page_tokens
         first = (len(tokens) - len(node.key)) // p
         for i, key in enumerate(keys, start=first):
-            if not self.disk.contains(key):
-                self.disk.put(key, tokens[i * p:(i + 1) * p], self._gather(path, i * p, (i + 1) * p))
+            page = tokens[i * p:(i + 1) * p]
+            if not self.disk.holds(key, page):  # absent, or bad (known, or seen in its header)
+                self.disk.put(key, page, self._gather(path, i * p, (i + 1) * p))
                 self.stats["offloaded_tokens"] += p
             elif leaving:
                 self.disk.touch(key)
