@@ -10,10 +10,12 @@ For every layer the attention function
 3. runs one SDPA over all sequences, with a boolean mask that lets a query see the keys at or before
    its own position in its own sequence, and never the padding.
 
-A step that mixes prefills with decodes pads every sequence to the longest one's new tokens: one
-1,500-token prompt beside sixteen decodes would make SDPA score sixteen padded 1,500-row blocks for
-nothing. The scheduler puts prefills first, so such a step is attended in two parts, the prefills
-together and the decodes together, each padded only to its own longest.
+Padding costs work: every sequence is padded to the longest new tokens and the longest context of
+the step. One 1,500-token prompt beside sixteen decodes would make SDPA score sixteen padded
+1,500-row blocks for nothing, and one decode over a 1,500-token context would make the fifteen
+others over 60 tokens gather 1,500 each. So when lengths differ that much, the step's sequences
+are attended in groups of similar lengths (`PAD_RATIO`), each padded only to its own longest: the
+same attention, computed per group.
 
 When every sequence of a decode step starts with the same slots (a prefix cache shared a system
 prompt), step 2 would copy that prefix once per sequence. Then the shared slots are gathered once,
@@ -37,6 +39,9 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "kvlearn_paged"
+# Sequences are attended in one group while the shortest new-token count and context in it are at
+# least the longest's divided by this (prefills and decodes never share a group when a step has both).
+PAD_RATIO = 2
 # A shared prefix shorter than this is gathered per sequence like the rest: below it, the extra
 # products of the cascade cost more than the copies they save.
 SHARED_MIN = 32
@@ -56,9 +61,9 @@ class AttentionMetadata:
     last_token    [B]          place in the packed row of each sequence's last new token
     shared_len    int          in a decode step (one new token each, B > 1), the leading context slots
                                identical in every sequence; 0 below SHARED_MIN and in steps with a prefill
-    parts         ()           or, when sequences with several new tokens come first and single-token ones
-                               after, (first part, second part): the same step's metadata split there,
-                               so that each part is attended padded only to its own longest
+    parts         ()           or, when lengths differ by more than PAD_RATIO, one (tokens, metadata) per
+                               group of similar sequences: the group's places in the packed row, and
+                               its own metadata, padded only to its own longest
     """
 
     positions: torch.Tensor
@@ -94,11 +99,13 @@ class AttentionMetadata:
         if q_max == 1 and len(kv_indices) > 1:
             cached = int(kv_lens.min()) - 1
             shared_len = int((padded[:, :cached] == padded[:1, :cached]).all(0).int().cumprod(0).sum())
-        # Prefills first, decodes after: attend the two groups apart (see the module docstring).
-        split = 1 + max((i for i, q in enumerate(query_lens) if q > 1), default=len(query_lens))
-        parts = () if split >= len(query_lens) else (
-            cls.build(query_lens[:split], kv_indices[:split], device),
-            cls.build(query_lens[split:], kv_indices[split:], device))
+        parts = ()
+        groups = _similar_groups(query_lens, kv_lens.tolist())
+        if len(groups) > 1:
+            starts = (q_lens.cumsum(0) - q_lens).tolist()
+            parts = tuple((torch.tensor([starts[i] + j for i in g for j in range(query_lens[i])], device=device),
+                           cls.build([query_lens[i] for i in g], [kv_indices[i] for i in g], device))
+                          for g in groups)
         query_index = torch.zeros_like(abs_pos)
         query_index[valid] = torch.arange(int(q_lens.sum()), device=device)
         positions = abs_pos[valid]
@@ -128,12 +135,30 @@ def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadat
     from it. query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim].
     Returns [T, heads, head_dim], the packed row in the same order as the queries."""
     kv_pool.write(layer, md.slot_mapping, key, value)
-    if md.parts:  # every new token's K/V is in the pool now: each part reads what it needs
-        first, second = md.parts
-        split = len(first.positions)
-        return torch.cat([_attend(query[:split], kv_pool.k[layer], kv_pool.v[layer], first, scale),
-                          _attend(query[split:], kv_pool.k[layer], kv_pool.v[layer], second, scale)])
+    if md.parts:  # every new token's K/V is in the pool now: each group reads what it needs
+        out = torch.empty_like(query)
+        for tokens, part in md.parts:
+            out[tokens] = _attend(query[tokens], kv_pool.k[layer], kv_pool.v[layer], part, scale)
+        return out
     return _attend(query, kv_pool.k[layer], kv_pool.v[layer], md, scale)
+
+
+def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """Sequence indices in groups of similar lengths: prefills apart from decodes, then, longest
+    context first, a new group whenever a sequence's new tokens or context is under 1/PAD_RATIO of
+    the group's longest. One group when padding wastes little (the usual decode step)."""
+    groups = []
+    for kind in ([i for i, q in enumerate(query_lens) if q > 1], [i for i, q in enumerate(query_lens) if q == 1]):
+        group, longest_q, longest_kv = [], 0, 0
+        for i in sorted(kind, key=lambda i: -kv_lens[i]):
+            if group and (query_lens[i] * PAD_RATIO < longest_q or kv_lens[i] * PAD_RATIO < longest_kv):
+                groups.append(group)
+                group, longest_q, longest_kv = [], 0, 0
+            group.append(i)
+            longest_q, longest_kv = max(longest_q, query_lens[i]), max(longest_kv, kv_lens[i])
+        if group:
+            groups.append(group)
+    return groups
 
 
 def _attend(query, k_cache, v_cache, md: AttentionMetadata, scale) -> torch.Tensor:

@@ -69,23 +69,23 @@ def test_a_shared_prefix_is_read_once_with_the_same_result(own):
     assert (cascade - one_sdpa).abs().max() <= 1e-5
 
 
-def test_prefills_then_decodes_are_attended_in_two_parts_with_the_same_result():
-    """A long prefill beside decodes: each group is padded only to its own longest, and the result
-    equals one SDPA over the whole padded step. A step in any other order is not split."""
+def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result():
+    """Prefills apart from decodes, and contexts more than PAD_RATIO apart in different groups, each
+    padded only to its own longest; the result equals one SDPA over the whole padded step."""
     torch.manual_seed(0)
     pool = KVPool(2, 3, 64, 1024)
     pool.kv.normal_()
     q_lens = [60, 5, 1, 1, 1]
     slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
     md = AttentionMetadata.build(q_lens, slots)
-    first, second = md.parts
-    assert first.mask.shape[2:] == (60, 60) and second.mask.shape[2:] == (1, 70)
-    assert first.kv_lens.tolist() == [60, 25] and second.kv_lens.tolist() == [40, 70, 9]
-    assert not AttentionMetadata.build([1, 60], slots[1::-1]).parts and not AttentionMetadata.build([1, 1], slots[2:4]).parts
+    groups = [(tokens.tolist(), part.kv_lens.tolist(), tuple(part.mask.shape[2:])) for tokens, part in md.parts]
+    assert groups == [(list(range(60)), [60], (60, 60)), (list(range(60, 65)), [25], (5, 25)),
+                      ([66, 65], [70, 40], (1, 70)), ([67], [9], (1, 9))]
+    assert not AttentionMetadata.build([1, 1, 1], [slots[2], slots[3], slots[2]]).parts  # similar: one group
     q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
-    split = paged_attention(q, k, v, 1, pool, md, scale=0.125)
+    grouped = paged_attention(q, k, v, 1, pool, md, scale=0.125)
     whole = paged_attention(q, k, v, 1, pool, AttentionMetadata(**{**vars(md), "parts": ()}), scale=0.125)
-    assert (split - whole).abs().max() <= 1e-5
+    assert (grouped - whole).abs().max() <= 1e-5
 
 
 def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
