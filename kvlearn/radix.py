@@ -14,21 +14,24 @@ Invariants, kept by every public method:
   counts the root too, which changes no size: the root holds no tokens);
 - `evictable_size` = tokens in nodes with lock_ref 0, `protected_size` = tokens in nodes with
   lock_ref > 0, and `total_size` = their sum = tokens in the tree;
-- only unlocked leaves are evicted, least recently used first, by a logical clock that ticks once
-  per `match_prefix` or `insert` call (no wall time: the same calls give the same evictions);
-  `match_len` is a pure query: it neither splits nor ticks.
+- only unlocked leaves are evicted, smallest eviction key first. The key is the eviction policy's
+  function of the node: "lru" (the default) is `last_access`, a logical clock that ticks once per
+  `match_prefix` or `insert` call (no wall time: the same calls give the same evictions); "lfu" is
+  `(hits, last_access)`; ties go to the older node id. `match_len` is a pure query: it neither
+  splits nor ticks nor counts a hit.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from operator import attrgetter
 from typing import Callable
 
 import torch
 
 from kvlearn.device import resolve_device
-from kvlearn.errors import check_int, check_positive_int
+from kvlearn.errors import check_choice, check_int, check_positive_int
 
 
 class TreeNode:
@@ -36,14 +39,15 @@ class TreeNode:
 
     key: tuple of token ids on the edge; value: 1-D int64 tensor of their slot ids; children:
     dict from first token (first page tuple when page_size > 1) to child; lock_ref: requests
-    using this node or a node below it; own_locks: those that locked exactly this node; last_access: logical time of the last match or insert
-    that walked through it. A node removed from the tree has `parent is None`.
+    using this node or a node below it; own_locks: those that locked exactly this node; last_access:
+    logical time of the last match or insert that walked through it; hits: how many `match_prefix`
+    calls walked through it (reused its KV). A node removed from the tree has `parent is None`.
     """
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access")
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access", "hits")
 
     def __init__(self, node_id: int, key: tuple, value: torch.Tensor, parent: TreeNode | None,
-                 lock_ref: int = 0, last_access: int = 0):
+                 lock_ref: int = 0, last_access: int = 0, hits: int = 0):
         self.id = node_id
         self.key = key
         self.value = value
@@ -52,6 +56,7 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.own_locks = 0
         self.last_access = last_access
+        self.hits = hits
 
     def __len__(self) -> int:
         return len(self.key)
@@ -79,12 +84,24 @@ class MatchResult:
         return f"MatchResult(len={len(self)}, last_node=#{self.last_node.id})"
 
 
+# Eviction policies: a node's eviction key, smallest evicted first (the heap breaks ties by node id).
+EVICTION_POLICIES: dict[str, Callable[[TreeNode], object]] = {
+    "lru": attrgetter("last_access"),          # least recently used first
+    "lfu": attrgetter("hits", "last_access"),  # fewest hits first, least recently used among equals
+}
+
+
 class RadixCache:
-    """Longest-prefix cache of token ids -> KV slot ids, with locking and LRU eviction.
+    """Longest-prefix cache of token ids -> KV slot ids, with locking and eviction (LRU by default).
 
     page_size: tokens per page; with page_size > 1 only whole pages are matched and inserted.
     evict_callback: called with the value tensor (slot ids) of every evicted node, so the KV pool
     can take those slots back. device: where slot tensors live (pass the KV pool's device).
+    eviction_policy: which unlocked leaf goes first: a name of EVICTION_POLICIES ("lru", "lfu"), or
+    a function node -> key (smallest first; keys must compare with each other) built from
+    `last_access`, `hits` and `id`. The heap keeps each leaf's key from the last match, insert,
+    unlock or eviction that touched it, and those three change only then (a split shortens a
+    leaf's `key` without touching it, so `len(node)` is not a safe ingredient).
 
     The engine's flow for one request:
         m = cache.match_prefix(prompt); cache.lock(m.last_node)       # reuse m.indices
@@ -100,10 +117,18 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", eviction_policy: str | Callable[[TreeNode], object] = "lru"):
         check_positive_int("page_size", page_size, " (tokens per page)")
         if evict_callback is not None and not callable(evict_callback):
             raise TypeError(f"evict_callback must be callable(value_tensor) or None, got {evict_callback!r}.")
+        if isinstance(eviction_policy, str):
+            self.eviction_policy = check_choice("eviction_policy", eviction_policy, EVICTION_POLICIES)
+            self._key = EVICTION_POLICIES[eviction_policy]  # node -> eviction key, smallest evicted first
+        elif callable(eviction_policy):
+            self.eviction_policy, self._key = getattr(eviction_policy, "__name__", "custom"), eviction_policy
+        else:
+            raise TypeError(f"eviction_policy must be a name ({', '.join(EVICTION_POLICIES)}) or a function "
+                            f"node -> key, got {type(eviction_policy).__name__}.")
         self.page_size = page_size
         self.evict_callback = evict_callback
         self.device = resolve_device(device)
@@ -114,7 +139,7 @@ class RadixCache:
         self._ids = itertools.count()
         self.root = TreeNode(next(self._ids), (), torch.empty(0, dtype=torch.int64, device=self.device), None)
         self._nodes = {self.root.id: self.root}  # id -> node, for membership checks and stale heap entries
-        self._heap: list[tuple[int, int]] = []  # (last_access, id) of unlocked leaves; may hold stale entries
+        self._heap: list[tuple] = []  # (eviction key, id) of unlocked leaves; may hold stale entries
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -141,16 +166,18 @@ class RadixCache:
         return len(self._nodes)
 
     def __repr__(self) -> str:
+        policy = "" if self.eviction_policy == "lru" else f", eviction_policy={self.eviction_policy}"
         return (f"RadixCache(page_size={self.page_size}, nodes={self.num_nodes}, total={self.total_size}, "
-                f"evictable={self.evictable_size}, protected={self.protected_size})")
+                f"evictable={self.evictable_size}, protected={self.protected_size}{policy})")
 
     # --- lookups ------------------------------------------------------------------------------
     def match_prefix(self, key) -> MatchResult:
         """Longest cached prefix of `key` (whole pages only). Splits the edge where the match ends
-        inside it, so `last_node` ends exactly at the matched length; touches the matched path."""
+        inside it, so `last_node` ends exactly at the matched length; touches the matched path and
+        counts a hit on each of its nodes."""
         key = self._aligned(self._as_key(key))
         self._clock += 1
-        node, _, values = self._walk(key)
+        node, _, values = self._walk(key, hit=1)
         self._touch_leaf(node)
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return MatchResult(indices, node)
@@ -183,7 +210,7 @@ class RadixCache:
         value = self._as_value(value, len(key))
         key = self._aligned(key)
         self._clock += 1
-        node, matched, values = self._walk(key)
+        node, matched, values = self._walk(key, hit=0)
         if matched < len(key):
             leaf = TreeNode(next(self._ids), key[matched:], value[matched:len(key)].clone(), node,
                             last_access=self._clock)
@@ -196,9 +223,10 @@ class RadixCache:
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return matched, MatchResult(indices, node)
 
-    def _walk(self, key: tuple) -> tuple[TreeNode, int, list[torch.Tensor]]:
+    def _walk(self, key: tuple, hit: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow `key` down from the root; return the last node, the matched length and the
-        values along the path. Touches every node it enters and splits a partly matched edge."""
+        values along the path. Touches every node it enters (adding `hit` to its hits) and splits
+        a partly matched edge."""
         node, i, n, p = self.root, 0, len(key), self.page_size
         values = []
         while i < n:
@@ -211,6 +239,7 @@ class RadixCache:
                 child = self._split(child, self._common_length(edge, key, i))
                 m = len(child.key)
             child.last_access = self._clock
+            child.hits += hit
             values.append(child.value)
             node, i = child, i + m
         return node, i, values
@@ -230,11 +259,11 @@ class RadixCache:
         return lo * p
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
-        """Cut `child`'s edge after k tokens; the new upper node inherits lock_ref and
-        last_access, and `child` (the same object, so locks held on it stay right) keeps the rest."""
+        """Cut `child`'s edge after k tokens; the new upper node inherits lock_ref, last_access and
+        hits, and `child` (the same object, so locks held on it stay right) keeps the rest."""
         parent = child.parent
         upper = TreeNode(next(self._ids), child.key[:k], child.value[:k], parent,
-                         lock_ref=child.lock_ref, last_access=child.last_access)
+                         lock_ref=child.lock_ref, last_access=child.last_access, hits=child.hits)
         parent.children[self._child_key(child.key)] = upper
         child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
         upper.children[self._child_key(child.key)] = child
@@ -289,16 +318,17 @@ class RadixCache:
 
     # --- eviction -----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` tokens (whole leaves, least recently used first) or every
-        evictable token if there are fewer; return the number freed. Each evicted node's slots
-        go to `evict_callback`. A parent left as an unlocked leaf becomes a candidate in turn."""
+        """Free at least `num_tokens` tokens (whole leaves, smallest eviction key first: least
+        recently used under "lru") or every evictable token if there are fewer; return the number
+        freed. Each evicted node's slots go to `evict_callback`. A parent left as an unlocked leaf
+        becomes a candidate in turn."""
         check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
         freed = 0
         while freed < num_tokens and self._heap:
-            last_access, node_id = heapq.heappop(self._heap)
+            key, node_id = heapq.heappop(self._heap)
             node = self._nodes.get(node_id)
             # Entries go stale when the node was touched again, grew a child, got locked or left.
-            if node is None or node.children or node.lock_ref or node.last_access != last_access:
+            if node is None or node.children or node.lock_ref or self._key(node) != key:
                 continue
             # Hand the slots back first: if the callback raises, the node stays cached (its slots
             # were not taken back) and in line for the next eviction, so nothing leaks.
@@ -306,7 +336,7 @@ class RadixCache:
                 try:
                     self.evict_callback(node.value)
                 except BaseException:
-                    heapq.heappush(self._heap, (last_access, node_id))
+                    heapq.heappush(self._heap, (key, node_id))
                     raise
             parent = node.parent
             del parent.children[self._child_key(node.key)]
@@ -318,14 +348,14 @@ class RadixCache:
         return freed
 
     def _touch_leaf(self, node: TreeNode) -> None:
-        """Make sure an unlocked leaf has a heap entry with its current last_access. Called
-        whenever a node may have become such a leaf or changed time: after a walk, an unlock,
-        an eviction of its last child. Stale entries are skipped at pop time."""
+        """Make sure an unlocked leaf has a heap entry with its current eviction key. Called
+        whenever a node may have become such a leaf or changed its counters: after a walk, an
+        unlock, an eviction of its last child. Stale entries are skipped at pop time."""
         if node.children or node.lock_ref or node is self.root:
             return
-        heapq.heappush(self._heap, (node.last_access, node.id))
+        heapq.heappush(self._heap, (self._key(node), node.id))
         if len(self._heap) > 2 * len(self._nodes) + 64:  # too many stale entries: rebuild, O(1) amortized
-            self._heap = [(n.last_access, n.id) for n in self._nodes.values()
+            self._heap = [(self._key(n), n.id) for n in self._nodes.values()
                           if not n.children and not n.lock_ref and n is not self.root]
             heapq.heapify(self._heap)
 
@@ -396,6 +426,6 @@ class RadixCache:
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"sizes drifted: counted evictable={evictable}, protected={protected}, "
             f"kept evictable={self._evictable}, protected={self._protected}")
-        live = {(n.last_access, n.id) for n in self._nodes.values()
+        live = {(self._key(n), n.id) for n in self._nodes.values()
                 if not n.children and not n.lock_ref and n is not self.root}
         assert live <= set(self._heap), "an unlocked leaf is missing from the eviction heap"

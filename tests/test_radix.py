@@ -341,6 +341,97 @@ def test_match_and_evict_cost_do_not_grow_with_the_tree():
     assert time.perf_counter() - start < 5 * t_small + 0.01
 
 
+# --- eviction policies ----------------------------------------------------------------------
+
+def random_history(cache, seed, steps=400):
+    """Seeded inserts, matches, locks, unlocks and evictions; returns the evicted slot lists in order."""
+    import random
+
+    rng, evicted, locked, next_slot = random.Random(seed), [], [], 0
+    cache.evict_callback = lambda value: evicted.append(value.tolist())
+    for _ in range(steps):
+        key, r = [rng.randrange(3) for _ in range(rng.randint(1, 8))], rng.random()
+        if r < 0.35:
+            cache.insert(key, torch.arange(next_slot, next_slot + len(key)))
+            next_slot += len(key)
+        elif r < 0.7:
+            m = cache.match_prefix(key)
+            if rng.random() < 0.3:
+                cache.lock(m.last_node)
+                locked.append(m.last_node)
+        elif r < 0.8 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            cache.evict(rng.randint(1, 10))
+    cache.check_invariants()
+    return evicted
+
+
+def test_the_default_policy_is_lru_and_named_or_as_a_key_it_evicts_the_same():
+    for seed in range(5):
+        default = random_history(RadixCache(), seed)
+        assert default == random_history(RadixCache(eviction_policy="lru"), seed)
+        assert default == random_history(RadixCache(eviction_policy=lambda node: node.last_access), seed)
+    assert RadixCache().eviction_policy == "lru" and RadixCache(eviction_policy="lfu").eviction_policy == "lfu"
+    assert "eviction_policy" not in repr(RadixCache()) and repr(RadixCache(eviction_policy="lfu")).endswith(
+        "protected=0, eviction_policy=lfu)")
+
+
+def test_hits_count_the_matches_that_walked_through_a_node():
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4], slots(0, 1, 2, 3))
+    leaf = cache.match_prefix([1, 2, 3, 4]).last_node
+    assert leaf.hits == 1                          # insert counts no hit, a match does
+    cache.match_len([1, 2, 3, 4])                  # a pure query counts none
+    upper = cache.match_prefix([1, 2, 9]).last_node  # splits [1 2 3 4]: the upper half inherits the hit
+    assert (upper.key, upper.hits, leaf.key, leaf.hits) == ((1, 2), 2, (3, 4), 1)
+    cache.insert([1, 2, 3, 4, 5], slots(0, 1, 2, 3, 4))
+    assert (upper.hits, leaf.hits) == (2, 1)
+    assert cache.match_prefix([1, 2, 3, 4, 5]).last_node.hits == 1 and leaf.hits == 2
+
+
+def test_lfu_evicts_the_least_hit_leaf_and_lru_among_equals():
+    freed = {}
+    for policy in ("lru", "lfu"):
+        out = freed[policy] = []
+        cache = RadixCache(eviction_policy=policy, evict_callback=lambda v, out=out: out.append(v.tolist()))
+        cache.insert([1, 1], slots(0, 1))       # A
+        cache.insert([2, 2], slots(2, 3))       # B
+        cache.insert([3, 3], slots(4, 5))       # C
+        for _ in range(3):
+            cache.match_prefix([1, 1])          # A: 3 hits, long ago
+        cache.match_prefix([3, 3])              # C: 1 hit, most recent
+        cache.evict(6)
+    assert freed["lru"] == [[2, 3], [0, 1], [4, 5]]  # B, A, C: by last use
+    assert freed["lfu"] == [[2, 3], [4, 5], [0, 1]]  # B (0 hits), C (1), A (3)
+
+
+def test_a_key_that_decreases_when_touched_still_evicts_in_order():
+    """The heap keeps stale entries and skips them at pop time; every touch pushes the current key,
+    so even a key that shrinks when a node is used (most recently used first) is evicted in order."""
+    victims = []
+    cache = RadixCache(eviction_policy=lambda node: -node.last_access)
+
+    def record(value):
+        leaves = [n for n in cache.nodes()[1:] if not n.children and not n.lock_ref]
+        victims.append((max(n.last_access for n in leaves), next(n.last_access for n in leaves
+                                                                 if n.value.tolist() == value.tolist())))
+
+    for seed in range(5):
+        cache.reset()
+        random_history(cache, seed)
+        cache.evict_callback = record
+        cache.evict(cache.evictable_size)
+    assert victims and all(newest == taken for newest, taken in victims)
+
+
+def test_unknown_policies_are_refused():
+    with pytest.raises(ValueError, match="choose one of 'lru', 'lfu'"):
+        RadixCache(eviction_policy="LFU")
+    with pytest.raises(TypeError, match="a function node -> key"):
+        RadixCache(eviction_policy=3)
+
+
 # --- chapter 3 exercise checkers: a right answer passes, a wrong one does not ----------------
 
 def page_match_solution(cached, query, page_size):
@@ -433,3 +524,45 @@ def test_a_raising_evict_callback_strands_nothing():
     cache.check_invariants()  # the slots were not taken back, so the node is still cached
     assert cache.total_size == 3 and cache.evict(10) == 3 and cache.total_size == 0
     assert [v.tolist() for v in calls] == [[2], [2], [0, 1]]
+
+
+def test_lfu_exercise_checkers(capsys):
+    from kvlearn.exercises import ch03
+
+    def lfu_key(node):
+        return (node.hits, node.last_access)
+
+    assert ch03.check_lfu_key(lfu_key)
+    assert ch03.check_lfu_key(lambda node: (node.hits, node.last_access, node.id))  # the id breaks no tie
+    for wrong in (lambda node: node.last_access, lambda node: node.hits, lambda node: (-node.hits, node.last_access),
+                  lambda node: None, lambda node: 1 / 0, lambda node: [node.hits, None]):
+        assert not ch03.check_lfu_key(wrong)
+    out = capsys.readouterr().out
+    assert out.count("OK") == 2 and out.count("Not yet") == 6
+    assert "LRU's key" in out and "ties" in out and "smallest key goes first" in out and "ZeroDivisionError" in out
+
+    trace = ch03.chat_trace()
+    longest = max(len(prompt) + len(answer) for prompt, answer in trace)
+    pools = [longest, 2 * longest]
+    lru = {n: ch03._hit_rate(trace, n, "lru") for n in pools}
+    lfu = {n: ch03._hit_rate(trace, n, lfu_key) for n in pools}
+    assert all(lfu[n] < lru[n] for n in pools) and lru[2 * longest] - lfu[2 * longest] > 0.2  # the lesson holds
+    assert ch03.check_lfu_measured(lru, lfu, "b")
+    assert not ch03.check_lfu_measured(lru, lfu, "a")
+    assert not ch03.check_lfu_measured(lru, lru, "b")          # LRU's numbers twice
+    assert not ch03.check_lfu_measured(..., ..., ...)          # the stubs
+    assert not ch03.check_lfu_measured({}, {}, "b")
+    out = capsys.readouterr().out
+    assert out.count("OK") == 1 and out.count("Not yet") == 4 and out.count("pool slots") == 2
+
+
+def test_the_chat_trace_is_multi_turn_and_fixed():
+    from kvlearn.exercises import ch03
+
+    trace = ch03.chat_trace()
+    assert trace == ch03.chat_trace() and len(trace) == 167
+    system = trace[0][0][:40]
+    assert all(prompt[:40] == system for prompt, _ in trace)
+    follow_ups = [i for i, (prompt, _) in enumerate(trace)
+                  if any(prompt[:len(p) + len(a)] == p + a for p, a in trace[:i])]
+    assert len(follow_ups) == 127  # every other prompt resends an earlier turn and its answer

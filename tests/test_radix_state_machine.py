@@ -1,8 +1,10 @@
 """RadixCache against a brute-force reference, driven by hypothesis.
 
 The reference knows nothing about nodes: it keeps, for every cached page-aligned prefix (a
-tuple of tokens), the slots of that prefix's last page and the logical time it was last walked
-over. Matching is then "the longest prefix present", inserting is "add the missing prefixes", and
+tuple of tokens), the slots of that prefix's last page, the logical time it was last walked
+over and how many matches walked over it (its hits). Under "lru" the victim of every eviction is
+the unlocked leaf used least recently; under "lfu" the one with the fewest hits, then the least
+recently used. Matching is then "the longest prefix present", inserting is "add the missing prefixes", and
 a lock covers every prefix of the locked prefix. The number of examples comes from the hypothesis profile
 (1,000 by default, 10,000 with HYPOTHESIS_PROFILE=thorough).
 """
@@ -19,12 +21,13 @@ tokens = st.lists(st.integers(0, 2), max_size=12)
 
 
 class RadixMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 1, 2, 3]))
-    def setup(self, page_size):
-        self.page = page_size
-        self.cache = RadixCache(page_size=page_size, evict_callback=self.on_evict)
+    @initialize(page_size=st.sampled_from([1, 1, 2, 3]), policy=st.sampled_from(["lru", "lru", "lfu"]))
+    def setup(self, page_size, policy):
+        self.page, self.policy = page_size, policy
+        self.cache = RadixCache(page_size=page_size, evict_callback=self.on_evict, eviction_policy=policy)
         self.slot = {}       # cached page-aligned prefix -> slot ids (tuple) of its last page
         self.time = {}       # cached prefix -> logical time it was last walked over
+        self.hits = {}       # cached prefix -> how many match_prefix calls walked over it
         self.clock = 0       # mirrors the cache: one tick per match_prefix / insert
         self.locks = []      # (node, locked prefix)
         self.keys = []       # keys inserted so far, to build related keys from
@@ -62,11 +65,12 @@ class RadixMachine(RuleBasedStateMachine):
         parents = {p[:-self.page] for p in self.slot}
         assert last not in parents, "evicted a non-leaf"
         assert not self.locked(last), f"evicted locked prefix {last}"
-        # LRU: no unlocked leaf was used less recently than the victim.
+        # No unlocked leaf goes before the victim: LRU by time, LFU by hits and then time.
         leaves = [p for p in self.slot if p not in parents and not self.locked(p)]
-        assert self.time[last] <= min(self.time[p] for p in leaves), "eviction is not least recently used"
+        key = (lambda p: self.time[p]) if self.policy == "lru" else (lambda p: (self.hits[p], self.time[p]))
+        assert key(last) <= min(map(key, leaves)), f"eviction does not follow {self.policy}"
         for p in victims:
-            del self.slot[p], self.time[p]
+            del self.slot[p], self.time[p], self.hits[p]
         self.evicted.extend(slots)
         self.evict_sizes.append(len(slots))
 
@@ -84,6 +88,8 @@ class RadixMachine(RuleBasedStateMachine):
         assert result.indices.tolist() == self.slots_of(key, expect)
         assert result.indices.dtype == torch.int64
         self.touch(key, expect)
+        for j in range(self.page, expect + 1, self.page):
+            self.hits[key[:j]] += 1
         return result, key[:expect]
 
     def do_insert(self, key):
@@ -98,6 +104,7 @@ class RadixMachine(RuleBasedStateMachine):
         aligned = self.aligned(key)
         for j in range(expect + self.page, len(aligned) + 1, self.page):
             self.slot[key[:j]] = tuple(value[j - self.page:j].tolist())
+            self.hits[key[:j]] = 0
         assert inserted.indices.tolist() == self.slots_of(key, len(aligned))  # the tree's slots, all of them
         assert len(inserted.last_node) > 0 or not aligned
         self.touch(key, len(aligned))
@@ -154,6 +161,22 @@ class RadixMachine(RuleBasedStateMachine):
         assert c.total_size == self.page * len(self.slot) == c.evictable_size + c.protected_size
         assert c.protected_size == self.page * sum(self.locked(p) for p in self.slot)
         assert c.root.lock_ref == len(self.locks)
+
+    @invariant()
+    def hits_match_reference(self):
+        if not hasattr(self, "cache"):
+            return
+        for node in self.cache.nodes()[1:]:
+            prefix = tuple(t for n in self.path(node) for t in n.key)
+            assert node.hits == self.hits[prefix], f"node #{node.id}: {node.hits} hits, reference {self.hits[prefix]}"
+
+    @staticmethod
+    def path(node):
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
     @invariant()
     def locked_paths_stay_cached(self):

@@ -83,3 +83,31 @@ def test_an_unpublished_duplicate_goes_back_as_a_plain_free_page():
     assert m.blocks[2].hash is None and not any(line.startswith("    2 ") for line in lines)  # F's copy forgot
     assert lines[-1] == "free list (handed out first -> last): [2, 3, 1, 0]"
     assert "BGCOLOR=\"white\"" in draw_blocks(m, []).source.split('PORT="p2"')[1][:30]
+
+
+class LetterTokenizer:
+    """Decodes token id i as the letter chr(97 + i), with a newline for id 25: enough to check text."""
+
+    def decode(self, ids):
+        return "".join("\n" if i == 25 else chr(97 + i) for i in ids)
+
+
+def test_text_decodes_tokens_with_a_tokenizer(state):
+    m, a, b = state
+    lines = blocks_text(m, [a, b], LetterTokenizer()).splitlines()
+    assert lines[2:5] == ["  logical  0 -> block  2  'bc'", "  logical  1 -> block  3  'de'",
+                          "  logical  2 -> block  4  'f'"]
+    assert f"    0    0  cached  {short_hash(m.blocks[0].hash):<6}  'hh'" in lines
+    long, one_block = Sequence([25] + list(range(24)) * 5, block_size=200), BlockManager(1, 200)
+    one_block.allocate(long)
+    text = blocks_text(one_block, [long], LetterTokenizer(), width=20)
+    assert "'\\nabcdefghijkl…stuvwx'" in text  # elided to 20 characters, the newline escaped
+
+
+def test_columns_empty_in_every_row_are_left_out():
+    m = BlockManager(4, 2, enable_prefix_caching=False)
+    s = Sequence([1, 2, 3], block_size=2)
+    m.allocate(s)
+    lines = blocks_text(m, [s]).splitlines()
+    assert lines[-4:] == ["block  ref  state", "    0    1  in use", "    1    1  in use",
+                          "free list (handed out first -> last): [2, 3]"]

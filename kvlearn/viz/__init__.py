@@ -33,11 +33,19 @@ def _tokens(ids, limit=6) -> str:
     return shorten(ids, limit, " …")
 
 
-def blocks_text(manager, seqs) -> str:
+def blocks_text(manager, seqs, tokenizer=None, width: int = 96) -> str:
     """Block tables of `seqs`, then every physical block that is in use or remembers a hash, as text.
 
     A free block is "cached" only if `hash_to_block_id` points at it (a later request can find it).
+    With a tokenizer, a block's tokens show as the text they decode to (in quotes, at most `width`
+    characters), else as ids. A column of the block list that is empty in every row (no block has
+    a hash, or tokens) is left out.
     """
+    def tokens(ids) -> str:
+        if tokenizer is not None:
+            return repr(_elide(tokenizer.decode(list(ids)), width))
+        return f"[{_tokens(ids, 16)}]"
+
     states = [_block_state(manager, b) for b in manager.blocks]
     lines = [f"{manager.num_blocks} blocks of {manager.block_size} tokens: "
              + ", ".join(f"{states.count(s)} {s}" for s in _BLOCK_COLORS)]
@@ -45,12 +53,16 @@ def blocks_text(manager, seqs) -> str:
         lines.append(f"seq {seq.seq_id}: {seq.num_tokens} tokens, {seq.num_cached_tokens} cached, "
                      f"block_table {seq.block_table}")
         for i, block_id in enumerate(seq.block_table):
-            lines.append(f"  logical {i:>2} -> block {block_id:>2}  [{_tokens(seq.block(i), 16)}]")
-    lines.append("block  ref  state   hash    tokens")
-    for block, state in zip(manager.blocks, states):
-        if state != "free" or block.hash is not None:
-            lines.append(f"{block.block_id:>5}  {block.ref_count:>3}  {state:<6}  "
-                         f"{short_hash(block.hash):<6}  {_tokens(block.token_ids, 16)}")
+            lines.append(f"  logical {i:>2} -> block {block_id:>2}  {tokens(seq.block(i))}")
+    listed = [(b, state) for b, state in zip(manager.blocks, states) if state != "free" or b.hash is not None]
+    show_hash, show_tokens = any(b.hash is not None for b, _ in listed), any(b.token_ids for b, _ in listed)
+    rows = [("block", "ref", "state", "hash", "tokens")]
+    rows += [(b.block_id, b.ref_count, state, short_hash(b.hash),
+              "" if not b.token_ids else tokens(b.token_ids) if tokenizer is not None else _tokens(b.token_ids, 16))
+             for b, state in listed]
+    for block_id, ref, state, hash_, toks in rows:
+        line = f"{block_id:>5}  {ref:>3}  {state:<6}" + (f"  {hash_:<6}" if show_hash else "")
+        lines.append(line + f"  {toks}" if show_tokens else line.rstrip())
     lines.append(f"free list (handed out first -> last): {manager.free_block_ids}")
     return "\n".join(lines)
 
