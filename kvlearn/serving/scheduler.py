@@ -221,8 +221,10 @@ class Scheduler:
         if not self.waiting or budget <= 0:
             return admitted
         # The prompts admitted this step, in a tree of their own (values unused): a request that
-        # shares more with them than with the cache would compute that shared part twice.
-        in_batch = RadixCache() if self.kv.caches_prefixes and self.in_batch_threshold else None
+        # shares more with them than with the cache would compute that shared part twice. The tree
+        # is built when a request is checked against something (most steps admit one or none).
+        check = self.kv.caches_prefixes and self.in_batch_threshold
+        in_batch, unchecked = None, []  # the tree, and admitted prompts not in it yet
         page = self.kv.page_size
         for req, cached in self._queue_order():
             if budget <= 0:
@@ -230,7 +232,11 @@ class Scheduler:
             extend = len(req.token_ids) - cached
             if extend > budget and not self.chunked_prefill and (admitted or self.running):
                 break  # too big for this step; alone (nothing else to run) it may exceed the budget
-            if in_batch is not None:
+            if check and (admitted or self.in_batch_threshold < 0):  # (an empty tree shares 0 tokens)
+                in_batch = RadixCache() if in_batch is None else in_batch
+                for prompt in unchecked:
+                    in_batch.insert(prompt, torch.zeros(len(prompt), dtype=torch.int64))
+                unchecked.clear()
                 shared = in_batch.match_len(req.token_ids[:-1]) // page * page
                 if shared - cached >= self.in_batch_threshold:
                     self.report.deferred.append(req.rid)
@@ -246,8 +252,8 @@ class Scheduler:
             admitted.append((req, now))
             budget -= now
             self.report.prefills.append((req.rid, cached, now))
-            if in_batch is not None:
-                in_batch.insert(req.token_ids, torch.zeros(len(req.token_ids), dtype=torch.int64))
+            if check:
+                unchecked.append(req.token_ids)
         return admitted
 
     def abort(self, requests: list[Request]) -> None:
