@@ -22,6 +22,9 @@ from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
 
 
+_FEW_SLOTS = 256   # frees of at most this many slots are checked in Python (see KVPool._pages_of)
+
+
 class KVPool:
     """K and V for every layer in one preallocated tensor, handed out slot by slot (or page by page).
 
@@ -135,7 +138,8 @@ class KVPool:
         if n > self.num_free:
             raise KVCapacityError(f"The KV pool has {self.num_free} free slots, {n} were asked for: free "
                                   "finished requests, evict cached prefixes, or build a bigger pool.")
-        return self.slots_of(self.allocator.alloc(n // self.page_size))
+        pages = self.allocator.alloc(n // self.page_size)
+        return pages if self.page_size == 1 else self.slots_of(pages)   # a page is a slot
 
     def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
         """The slots of these pages, page after page."""
@@ -144,6 +148,8 @@ class KVPool:
     def free(self, indices) -> None:
         """Give slots back. They must be allocated, distinct and (page_size > 1) make up whole pages;
         otherwise ValueError and nothing is freed."""
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and not indices.numel():
+            return   # nothing to give back (a frequent case: no duplicate slots to drop)
         self.allocator.free(self._pages_of(indices))
 
     def _as_slots(self, indices) -> torch.Tensor:
@@ -166,7 +172,17 @@ class KVPool:
         return indices
 
     def _pages_of(self, indices) -> torch.Tensor:
-        """Validate slot ids given to `free` and return the distinct pages they cover."""
+        """Validate slot ids given to `free` and return the distinct pages they cover (sorted)."""
+        if (self.page_size == 1 and isinstance(indices, torch.Tensor) and indices.dtype == torch.int64
+                and indices.numel() <= _FEW_SLOTS and indices.device == self.device):
+            # A few slots (the usual free): the same checks in Python are faster than tensor calls.
+            ids = sorted(indices.reshape(-1).tolist())
+            if ids and (ids[0] < 0 or ids[-1] >= self.num_slots):
+                raise ValueError(f"Slot indices must be in [0, {self.num_slots}), got values from "
+                                 f"{ids[0]} to {ids[-1]}.")
+            if len(set(ids)) != len(ids):
+                raise ValueError("Double free: the same slot appears more than once in one free() call.")
+            return torch.tensor(ids, dtype=torch.int64, device=self.device)
         indices = self._as_slots(indices)
         pages, counts = torch.unique(indices // self.page_size, return_counts=True)
         if (counts != self.page_size).any():
@@ -221,7 +237,9 @@ class ReqToTokenPool:
         if not 0 <= start <= self.lengths[row]:
             raise ValueError(f"start={start} must be between 0 and the row's length {self.lengths[row]}: "
                              "a row has no holes.")
-        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
+        if not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64 and slots.dim() == 1
+                and slots.device == self.device):
+            slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
         end = start + slots.numel()
         if end > self.max_context_len:
             raise ValueError(f"Request row {row} would hold {end} tokens, more than max_context_len="

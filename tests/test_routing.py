@@ -38,6 +38,15 @@ def test_generator_is_seeded_sorted_and_multi_turn():
             assert after.prompt_ids[:before.num_prompt_tokens + len(before.answer)] == before.prompt_ids + list(before.answer)
 
 
+def test_generated_ids_are_drawn_as_randrange_draws_them():
+    from kvlearn.routing.traces import FIRST_TOKEN_ID, VOCAB_SIZE, _tokens
+    for seed in range(5):
+        for n in (0, 1, 7, 500):
+            fast, slow = random.Random(seed), random.Random(seed)
+            assert _tokens(fast, n) == tuple(slow.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(n))
+            assert fast.random() == slow.random()   # and the generator is left in the same state
+
+
 def test_hot_tenant_takes_its_share():
     trace = multi_tenant_trace(2000, num_tenants=32, hot_tenant_share=0.5, seed=1)
     share = sum(tenant_of(r) == "tenant0" for r in trace) / len(trace)
@@ -175,6 +184,30 @@ def test_approx_tree_evicts_leaves_first_and_reports_memory():
     assert len(tree) == 4 and tree.evicted_pages == 2
     assert tree.match(shared) == 2                     # the shared trunk stayed, its old leaf went
     assert tree.nbytes > 0
+
+
+def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_first_pages():
+    rng = random.Random(0)
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(0, 40))] for _ in range(6)]
+    p = CacheAware(3, tree_page_size=4, max_tree_pages=12)
+    for k in range(300):
+        prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+        hashes = page_hashes(prompt, 4)
+        for tree in p.trees:   # the pages present are a head of the chain: a scan finds the same end
+            scan = next((n for n, h in enumerate(hashes) if h not in tree.pages), len(hashes))
+            assert tree.match(hashes) == scan
+        p.routed(req(prompt, rid=f"r{k}"), rng.randrange(3))
+        for first, holders in p.holders.items():   # exactly the trees that hold that first page
+            assert holders == {i for i, tree in enumerate(p.trees) if first in tree.pages}
+
+
+def test_cache_aware_hashes_a_shared_first_part_once_with_the_same_chain():
+    p = CacheAware(2, tree_page_size=16)
+    trace = multi_tenant_trace(300, num_tenants=4, seed=5)
+    assert all(p._chain(r) == page_hashes(r.prompt_ids, 16) for r in trace)
+    assert len(p._heads) == 4   # one per tenant's system prompt
+    odd = TraceRequest("odd", 0.0, ((1, 2, 3), tuple(range(40))), 4)   # a first part shorter than a page
+    assert p._chain(odd) == page_hashes(odd.prompt_ids, 16)
 
 
 def test_cache_aware_follows_its_own_decisions():

@@ -126,10 +126,11 @@ class PrefixHash(Policy):
         return self.ring_owners[at]
 
 
-def page_hashes(token_ids: list[int], page_size: int) -> list[int]:
+def page_hashes(token_ids: list[int], page_size: int, h: int = 0) -> list[int]:
     """Chained hashes of the prompt's full pages: hash i stands for the whole prefix up to page i
-    (chapter 2's block hashes), so equal hashes mean equal prefixes."""
-    hashes, h = [], 0
+    (chapter 2's block hashes), so equal hashes mean equal prefixes. `h`: the hash of the pages
+    before `token_ids`, to continue a chain."""
+    hashes = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         h = hash((h, *token_ids[start:start + page_size]))
         hashes.append(h)
@@ -151,21 +152,31 @@ class ApproxTree:
         self.evicted_pages = 0
 
     def match(self, hashes: list[int]) -> int:
-        """Leading pages of `hashes` present in the tree."""
-        n = 0
-        for h in hashes:
-            if h not in self.pages:
-                break
-            n += 1
-        return n
+        """Leading pages of `hashes` present in the tree. The tree is prefix-closed, so the pages
+        present are exactly a head of the chain: binary search finds its end in a few lookups."""
+        pages = self.pages
+        if not hashes or hashes[0] not in pages:
+            return 0
+        lo, hi = 1, len(hashes)          # hashes[lo - 1] is present; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
-    def insert(self, hashes: list[int]) -> None:
+    def insert(self, hashes: list[int]) -> list[int]:
+        """Add (or touch) the chain's pages; returns the pages evicted to stay within `max_pages`."""
+        pages = self.pages
         for h in reversed(hashes):                 # leaf first: ancestors end up most recent
-            self.pages[h] = None
-            self.pages.move_to_end(h)
-        while len(self.pages) > self.max_pages:
-            self.pages.popitem(last=False)
-            self.evicted_pages += 1
+            pages[h] = None
+            pages.move_to_end(h)
+        evicted = []
+        while len(pages) > self.max_pages:
+            evicted.append(pages.popitem(last=False)[0])
+        self.evicted_pages += len(evicted)
+        return evicted
 
     @property
     def nbytes(self) -> int:
@@ -229,20 +240,44 @@ class CacheAware(AffinityRule):
         check_positive_int("max_tree_pages", max_tree_pages)
         self.page_size = tree_page_size
         self.trees = [ApproxTree(max_tree_pages) for _ in range(num_replicas)]
+        # a prompt's first page -> the replicas whose tree holds it: only those can match anything
+        self.holders: dict[int, set[int]] = {}
         self._hashes: tuple = (None, [])      # (request, its page hashes): computed once per request
+        self._heads: dict[int, tuple] = {}    # id(first part) -> (that part, its chain, tokens past its last page)
 
     def _page_hashes(self, req) -> list[int]:
         if self._hashes[0] is not req:
-            self._hashes = (req, page_hashes(req.prompt_ids, self.page_size))
+            self._hashes = (req, self._chain(req))
         return self._hashes[1]
+
+    def _chain(self, req) -> list[int]:
+        """`page_hashes` of the prompt. A generated prompt starts with a part many requests share (a
+        tenant's system prompt): its pages are hashed once per router, not once per request."""
+        parts, p = getattr(req, "parts", ()), self.page_size
+        if len(parts) < 2:
+            return page_hashes(req.prompt_ids, p)
+        head = self._heads.get(id(parts[0]))
+        if head is None or head[0] is not parts[0]:
+            chain = page_hashes(parts[0], p)
+            head = self._heads[id(parts[0])] = (parts[0], chain, parts[0][len(chain) * p:])
+        rest = list(head[2]) + [t for part in parts[1:] for t in part]
+        return head[1] + page_hashes(rest, p, head[1][-1] if head[1] else 0)
 
     def matched_tokens(self, req, view):
         hashes = self._page_hashes(req)
-        return [tree.match(hashes) * self.page_size for tree in self.trees]
+        matched = [0] * len(self.trees)
+        for i in self.holders.get(hashes[0], ()) if hashes else ():   # the others match nothing
+            matched[i] = self.trees[i].match(hashes) * self.page_size
+        return matched
 
     def routed(self, req, replica):
         # The prompt is now (about to be) cached there, whichever branch of the rule chose it.
-        self.trees[replica].insert(self._page_hashes(req))
+        hashes, tree = self._page_hashes(req), self.trees[replica]
+        for h in tree.insert(hashes):
+            if h in self.holders:
+                self.holders[h].discard(replica)
+        if hashes and hashes[0] in tree.pages:
+            self.holders.setdefault(hashes[0], set()).add(replica)
 
     def tree_stats(self) -> dict:
         """Pages and bytes the router's trees hold, and pages their LRU bound evicted."""

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
+import numpy as np
+
 from kvlearn.errors import check_positive_int
 
 VOCAB_SIZE = 49152      # SmolLM2's vocabulary: generated token ids are valid for the real model
@@ -193,8 +195,22 @@ def write_trace(requests, path) -> Path:
 
 # --- the generator ---------------------------------------------------------------------------------
 
+_ID_RANGE = VOCAB_SIZE - FIRST_TOKEN_ID
+_ID_BITS = _ID_RANGE.bit_length()
+
+
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(n))
+    """`n` ids drawn as `rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE)` would draw them, one by one,
+    five times faster. randrange takes the top bits of one 32-bit word of the generator per try
+    and tries again when the number is out of range; `getrandbits(32 * k)` returns the next k
+    words in order, so taking their top bits and dropping the out-of-range ones gives the same
+    ids from the same words, leaving the generator where the one-by-one draws would."""
+    ids: list[int] = []
+    while len(ids) < n:
+        k = n - len(ids)
+        words = np.frombuffer(rng.getrandbits(32 * k).to_bytes(4 * k, "little"), dtype="<u4") >> (32 - _ID_BITS)
+        ids += (words[words < _ID_RANGE] + FIRST_TOKEN_ID).tolist()
+    return tuple(ids)
 
 
 def _log_uniform(rng: random.Random, low: int, high: int) -> int:

@@ -57,6 +57,15 @@ class NoCacheKV(SlotKV):
         return 0
 
 
+class _RequestTree(RadixCache):
+    """RadixKV's tree. Its keys are requests' token ids, checked once when each `Request` was made
+    (and tokens the sampler appended), so it does not check every id again on each call: on a
+    thousand-token prompt that check costs more than the walk. Any other key is checked as usual."""
+
+    def _as_key(self, key) -> tuple:
+        return tuple(key) if type(key) is list else super()._as_key(key)
+
+
 class RadixKV(SlotKV):
     """Prefixes live in chapter 3's radix tree, whose values are this pool's slots.
 
@@ -68,7 +77,7 @@ class RadixKV(SlotKV):
 
     def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
-        self.tree = RadixCache(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
+        self.tree = _RequestTree(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
         self._evicted = 0
 
     @property
@@ -126,10 +135,11 @@ class RadixKV(SlotKV):
         #    for them are duplicates. Free them and point the row at the tree's slots. Comparing
         #    slots, not counting tokens, finds only what is still the request's.
         cached = self.tree.match_prefix(key).indices
-        mine, theirs = slots[h.prefix_len:len(cached)], cached[h.prefix_len:]
-        self.pool.free(mine[mine != theirs])
-        mine.copy_(theirs)
-        h.prefix_len = len(cached)
+        if len(cached) > h.prefix_len:   # (usually the tree got nothing more: nothing to compare)
+            mine, theirs = slots[h.prefix_len:len(cached)], cached[h.prefix_len:]
+            self.pool.free(mine[mine != theirs])
+            mine.copy_(theirs)
+            h.prefix_len = len(cached)
         # 2. The rest joins the tree as it is: the tree owns those slots now.
         _, match = self.tree.insert_prefix(key, slots[:len(key)])
         h.prefix_len = len(match)

@@ -204,6 +204,85 @@ class SlotKV(KVManager):
         h.num_slots += self.page_size
         return True
 
+    # --- the model-free simulator's fast path (kvlearn.routing.fleet): many decode steps at once ---
+    def _round_pages(self, reqs: list[Request], rounds: int) -> int:
+        """Query: pages the first `rounds` rounds of `grow` over `reqs` take (round k gives each
+        request a slot for its k-th next token)."""
+        p = self.page_size
+        return sum(max(0, -(-(len(r.token_ids) + rounds - 1) // p) - r.kv.num_slots // p) for r in reqs)
+
+    def _rounds_with_room(self, reqs: list[Request], rounds: int) -> int:
+        """Query: how many of `rounds` rounds of `grow` over `reqs` succeed, none of them preempting:
+        the rounds that free slots and evictable cached slots cover."""
+        room = (self.pool.num_free + self.evictable_slots) // self.page_size
+        if self._round_pages(reqs, rounds) <= room:
+            return rounds
+        lo, hi = 0, rounds - 1      # the first lo rounds fit, the first hi + 1 do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._round_pages(reqs, mid) <= room else (lo, mid - 1)
+        return lo
+
+    def _grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
+        """Mutation: what `rounds` rounds of `grow` over `reqs` do (round k: each request in turn,
+        room for its k-th next token), in a few pool calls: the same slots in the same order, and
+        the same evictions where a round finds the pool empty. Returns the tokens each round
+        evicted. The caller made sure the rounds have room (`_rounds_with_room`)."""
+        p = self.page_size
+        evicted = [0] * rounds
+        if p == 1 and all(len(req.token_ids) == req.kv.num_slots + 1 for req in reqs) \
+                and self.pool.num_free >= rounds * len(reqs):
+            # the usual case: each request takes one free slot per round, from the first round on
+            slots = self.pool.alloc(rounds * len(reqs)).view(rounds, len(reqs))
+            for j, req in enumerate(reqs):
+                h = req.kv
+                try:
+                    self.rows.write(h.row, h.num_slots, slots[:, j])
+                except BaseException:   # give back the slots no row recorded
+                    self.pool.free(slots[:, j:].reshape(-1))
+                    raise
+                h.num_slots += rounds
+            return evicted
+        # A request takes a page in the first round whose token finds no slot, then every p rounds;
+        # sorting by (round, request) gives the order in which `grow` would take them.
+        takes = sorted((k, j) for j, req in enumerate(reqs)
+                       for k in range(max(0, req.kv.num_slots - len(req.token_ids) + 1), rounds, p))
+        if not takes:
+            return evicted
+        # Take the pages in runs; where `grow` would find no free page, evict as it would, then go on.
+        runs, start, free = [], 0, self.pool.num_free // p
+        try:
+            for t, (k, _) in enumerate(takes):
+                if not free:
+                    if t > start:
+                        runs.append(self.pool.alloc((t - start) * p))
+                        start = t
+                    before = self.evicted_tokens
+                    self.evict(p)
+                    evicted[k] += self.evicted_tokens - before
+                    free = self.pool.num_free // p
+                free -= 1
+            runs.append(self.pool.alloc((len(takes) - start) * p))
+        except BaseException:
+            if runs:
+                self.pool.free(torch.cat(runs))
+            raise
+        pages = (torch.cat(runs) if len(runs) > 1 else runs[0]).view(-1, p)
+        mine: dict[int, list[int]] = {}
+        for page, (_, j) in enumerate(takes):
+            mine.setdefault(j, []).append(page)
+        written: list[int] = []
+        try:
+            for j, taken in mine.items():
+                h = reqs[j].kv
+                self.rows.write(h.row, h.num_slots, pages[taken].reshape(-1))
+                h.num_slots += len(taken) * p
+                written += taken
+        except BaseException:       # give back the pages no row recorded
+            self.pool.free(pages[sorted(set(range(len(takes))) - set(written))].reshape(-1))
+            raise
+        return evicted
+
     def _free_private(self, req: Request) -> None:
         """Give the request's own slots back to the pool and its row back to the table."""
         h = req.kv
