@@ -68,10 +68,12 @@ thorough: setup
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
 
 # vLLM joins the bench as a peer once `make peers` has built its venv (the stamp says it finished).
-# Two workloads (a shared system prompt; no sharing at all), then chunked prefill's latencies.
+# Three workloads (a long shared system prompt; no sharing at all; a small one: 12 requests, a
+# 150-token shared system prompt), then chunked prefill's latencies.
 bench: setup
 	$(PY) -m kvlearn bench $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
 	$(PY) -m kvlearn bench --workload no_sharing $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
+	$(PY) -m kvlearn bench --workload short_system $(if $(wildcard $(VLLM_STAMP)),--vllm-python $(VLLM_PY))
 	$(PY) -m kvlearn.bench.chunked
 
 # vLLM's CPU build in its own venv: it pins its own torch and transformers, so it never enters

@@ -64,6 +64,8 @@ class AttentionMetadata:
     parts         ()           or, when lengths differ by more than PAD_RATIO, one (tokens, metadata) per
                                group of similar sequences: the group's places in the packed row, and
                                its own metadata, padded only to its own longest
+    cascade_index [P + B*(Lmax-P)]  with shared_len P > 0: the slots a cascade gathers, the shared
+                               prefix once and then each sequence's own (padded) rest; else None
     """
 
     positions: torch.Tensor
@@ -76,6 +78,7 @@ class AttentionMetadata:
     last_token: torch.Tensor
     shared_len: int = 0
     parts: tuple = ()
+    cascade_index: torch.Tensor | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "AttentionMetadata":
@@ -99,6 +102,7 @@ class AttentionMetadata:
         if q_max == 1 and len(kv_indices) > 1:
             cached = int(kv_lens.min()) - 1
             shared_len = int((padded[:, :cached] == padded[:1, :cached]).all(0).int().cumprod(0).sum())
+            shared_len = shared_len if shared_len >= SHARED_MIN else 0
         parts = ()
         groups = _similar_groups(query_lens, kv_lens.tolist())
         if len(groups) > 1:
@@ -118,8 +122,9 @@ class AttentionMetadata:
             query_slots=valid.reshape(-1).nonzero().squeeze(1),
             mask=mask[:, None],
             last_token=q_lens.cumsum(0) - 1,
-            shared_len=shared_len if shared_len >= SHARED_MIN else 0,
+            shared_len=shared_len,
             parts=parts,
+            cascade_index=torch.cat([padded[0, :shared_len], padded[:, shared_len:].reshape(-1)]) if shared_len else None,
         )
 
     def __repr__(self) -> str:
@@ -135,6 +140,7 @@ def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadat
     from it. query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim].
     Returns [T, heads, head_dim], the packed row in the same order as the queries."""
     kv_pool.write(layer, md.slot_mapping, key, value)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     if md.parts:  # every new token's K/V is in the pool now: each group reads what it needs
         out = torch.empty_like(query)
         for tokens, part in md.parts:
@@ -161,14 +167,13 @@ def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]
     return groups
 
 
-def _attend(query, k_cache, v_cache, md: AttentionMetadata, scale) -> torch.Tensor:
+def _attend(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of the packed queries over the contexts `md` describes, read from the caches."""
-    q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
     if md.shared_len:
-        out = _cascade_attention(q, k_cache, v_cache, md, query.shape[-1] ** -0.5 if scale is None else scale)
-    else:
-        k, v = _gather(k_cache, md.kv_indices, query.dtype), _gather(v_cache, md.kv_indices, query.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scale, enable_gqa=True)
+        return _cascade_attention(query, k_cache, v_cache, md, scale)
+    q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
+    k, v = _gather(k_cache, md.kv_indices, query.dtype), _gather(v_cache, md.kv_indices, query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(-1, *query.shape[1:])[md.query_slots]
 
 
@@ -179,27 +184,27 @@ def _gather(cache: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
     return rows.transpose(1, 2).to(dtype)
 
 
-def _cascade_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of q [B, heads, Qmax, D] over each sequence's context whose first `md.shared_len`
-    slots are the same for all: those are gathered and multiplied once for the whole batch. Query
-    head h reads KV head h // (heads // kv_heads), as in SDPA's enable_gqa. Returns [B, heads, Qmax, D]."""
-    batch, heads, q_max, dim = q.shape
+def _cascade_attention(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention (query [B, heads, D], one new token per sequence) over contexts whose first
+    `md.shared_len` slots are the same for all: one gather of the shared prefix and every sequence's
+    own rest (`md.cascade_index`), the prefix scored once for the whole batch, one softmax over both
+    parts. Query head h reads KV head h // (heads // kv_heads), as in SDPA's enable_gqa. Every product
+    is batched over a leading dimension of views, so a layer costs a dozen tensor operations."""
+    batch, heads, dim = query.shape
     kv_heads, shared = k_cache.shape[1], md.shared_len
-    rows = heads // kv_heads * q_max                                       # queries per KV head and sequence
-    qg = q.reshape(batch, kv_heads, rows, dim)
-    k_shared = _gather(k_cache, md.kv_indices[:1, :shared], q.dtype)[0]    # [kv_heads, P, D]
-    v_shared = _gather(v_cache, md.kv_indices[:1, :shared], q.dtype)[0]
-    k_own, v_own = (_gather(c, md.kv_indices[:, shared:], q.dtype) for c in (k_cache, v_cache))  # [B, kv, L-P, D]
-    # Scores against the shared prefix: one product per KV head over all sequences' queries.
-    s_shared = (qg.transpose(0, 1).reshape(kv_heads, batch * rows, dim) @ k_shared.transpose(1, 2))
-    s_shared = s_shared.view(kv_heads, batch, rows, shared).transpose(0, 1)
-    s_own = qg @ k_own.transpose(2, 3)                                     # [B, kv, rows, L-P]
-    own_mask = md.mask[..., shared:].unsqueeze(2).expand(batch, 1, heads // kv_heads, q_max, -1)
-    s_own = s_own.masked_fill(~own_mask.reshape(batch, 1, rows, -1), float("-inf"))
-    probs = torch.softmax(torch.cat([s_shared, s_own], dim=-1).float() * scale, dim=-1).to(q.dtype)
-    p_shared = probs[..., :shared].transpose(0, 1).reshape(kv_heads, batch * rows, shared)
-    out = (p_shared @ v_shared).view(kv_heads, batch, rows, dim).transpose(0, 1) + probs[..., shared:] @ v_own
-    return out.reshape(batch, heads, q_max, dim)
+    group = heads // kv_heads                                              # query heads per KV head
+    k, v = (c.index_select(0, md.cascade_index).to(query.dtype) for c in (k_cache, v_cache))
+    k_shared, v_shared = k[:shared].transpose(0, 1), v[:shared].transpose(0, 1)           # [kv, P, D]
+    k_own, v_own = (x[shared:].view(batch, -1, kv_heads, dim).transpose(1, 2) for x in (k, v))  # [B, kv, L-P, D]
+    q = query.reshape(batch, kv_heads, group, dim)
+    s_shared = q.transpose(0, 1).reshape(kv_heads, batch * group, dim) @ k_shared.transpose(1, 2)
+    s_own = (q @ k_own.transpose(2, 3)).transpose(0, 1)                    # [kv, B, group, L-P]
+    scores = torch.cat([s_shared.view(kv_heads, batch, group, shared), s_own], dim=-1).float() * scale
+    scores = scores.masked_fill(~md.mask[:, 0].view(1, batch, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)                 # [kv, B, group, L]
+    out = (probs[..., :shared].reshape(kv_heads, batch * group, shared) @ v_shared).view(kv_heads, batch, group, dim)
+    out = out.transpose(0, 1) + probs[..., shared:].transpose(0, 1) @ v_own  # [B, kv, group, D]
+    return out.reshape(batch, heads, dim)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,

@@ -120,12 +120,14 @@ class FastLlama:
         cos, sin = cos[0, :, None], sin[0, :, None]
         tokens, hidden = h.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (hidden,), layer.input_norm, self.eps)
-            q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-            k = self._rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-            a = paged_attention(q, k, v.view(tokens, self.num_kv_heads, self.head_dim), i, kv_pool, md, self.scale)
+            qkv = layer.qkv(x)
+            # Q and K heads sit side by side in the product: one rotation for both.
+            qk = self._rope(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, dim), cos, sin)
+            v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, dim)
+            a = paged_attention(qk[:, :heads], qk[:, heads:], v, i, kv_pool, md, self.scale)
             h = h + layer.o(a.reshape(tokens, q_size))
             x = F.rms_norm(h, (hidden,), layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

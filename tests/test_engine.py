@@ -280,7 +280,7 @@ def test_scheduler_rejects_bad_settings():
 
 # --- the real model ------------------------------------------------------------------------------
 MAX_NEW = 8
-SMALL = {"shared_system": dict(num_requests=3), "few_shot": dict(num_requests=4),
+SMALL = {"shared_system": dict(num_requests=3), "short_system": dict(num_requests=3), "few_shot": dict(num_requests=4),
          "multi_turn": dict(num_conversations=2, num_turns=2), "branching": dict(num_branches=2, num_leaves=1),
          "no_sharing": dict(num_requests=3)}
 

@@ -1,5 +1,7 @@
 """Workloads: deterministic, templated like real chat traffic, and an exact unique-token floor."""
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -41,6 +43,9 @@ def test_sharing_differs_by_workload_as_designed(tokenizer):
     shared = shared_system_prompt(tokenizer)
     assert min(len(p) for p in shared.prompts) > 300 and shared.shareable_fraction > 0.85
     assert make_workload("no_sharing", tokenizer).shareable_fraction < 0.15
+    short = make_workload("short_system", tokenizer)  # issue 12's small workload: 12 x ~170 tokens, ~150 shared
+    assert short.num_requests == 12 and all(160 <= len(p) <= 180 for p in short.prompts)
+    assert 140 <= len(os.path.commonprefix([list(p) for p in short.prompts])) <= 160
     assert make_workload("shared_system", tokenizer, seed=1) != shared
 
 

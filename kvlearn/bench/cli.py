@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_SIZE_ARG = {"shared_system": "num_requests", "few_shot": "num_requests", "no_sharing": "num_requests",
+_SIZE_ARG = {"shared_system": "num_requests", "short_system": "num_requests", "few_shot": "num_requests", "no_sharing": "num_requests",
              "multi_turn": "num_conversations", "branching": "num_branches"}
 
 

@@ -5,6 +5,7 @@ what a server would see, and draws its choices from a seeded `random.Random`: th
 always give the same prompts. The patterns differ in how much of their prompts they share:
 
 - `shared_system_prompt`: one long system prompt, many short questions (a chat product);
+- `short_system_prompt`: the same shape, small: about 150 shared tokens, a dozen questions;
 - `few_shot`: a few tasks, each with its own instructions and worked examples, many queries;
 - `multi_turn_chat`: conversations where every turn resends the whole history so far;
 - `branching`: one conversation that forks into several follow-ups, which fork again;
@@ -147,6 +148,36 @@ def shared_system_prompt(tokenizer, num_requests: int = 16, seed: int = 0) -> Wo
     prompts = [template_ids(tokenizer, [{"role": "system", "content": LIBRARY_SYSTEM_PROMPT},
                                         {"role": "user", "content": q}]) for q in questions]
     return Workload("shared_system", "one library help-desk system prompt, many short visitor questions",
+                    tuple(map(tuple, prompts)), tuple(questions))
+
+
+BIKE_SHOP_SYSTEM_PROMPT = """\
+You are Pip, the front desk assistant of Spoke & Chain, a small bicycle repair shop. Answer in one \
+or two short sentences. The shop opens Tuesday to Saturday from eight to six. A basic tune-up costs \
+forty dollars and takes a day; a flat tyre is fixed while you wait for twelve dollars. Customers \
+may rent a city bike for fifteen dollars a day, helmet included. Repairs are guaranteed for thirty \
+days. We sell used bikes, checked by a mechanic, with a one-year warranty. Parking for cargo bikes \
+is behind the shop. Lights, bells and locks are sold at the counter. If a question is not about bikes, say politely that you can only help with the \
+shop."""
+
+BIKE_SHOP_QUESTIONS = (
+    "Are you open on Monday?", "How much is a tune-up?", "Can you fix a flat while I wait?",
+    "How much does it cost to rent a bike for a day?", "Is a helmet included with the rental?",
+    "How long is the guarantee on repairs?", "Do you sell used bikes?", "Where can I park my cargo bike?",
+    "What time do you close on Saturday?", "How long does a tune-up take?",
+    "Do used bikes come with a warranty?", "Can you help me with my tax return?",
+    "Do you open before nine?", "What does a flat tyre repair cost?",
+)
+
+
+def short_system_prompt(tokenizer, num_requests: int = 12, seed: int = 0) -> Workload:
+    """A small workload: a system prompt of about 150 tokens shared by a dozen short questions
+    (prompts of about 170 tokens), where per-step overheads weigh more than on `shared_system`."""
+    _check_count("num_requests", num_requests, len(BIKE_SHOP_QUESTIONS))
+    questions = random.Random(seed).sample(BIKE_SHOP_QUESTIONS, num_requests)
+    prompts = [template_ids(tokenizer, [{"role": "system", "content": BIKE_SHOP_SYSTEM_PROMPT},
+                                        {"role": "user", "content": q}]) for q in questions]
+    return Workload("short_system", "a short bike-shop system prompt, a dozen questions",
                     tuple(map(tuple, prompts)), tuple(questions))
 
 
@@ -317,6 +348,7 @@ def no_sharing(tokenizer, num_requests: int = 16, seed: int = 0) -> Workload:
 
 WORKLOADS = {
     "shared_system": shared_system_prompt,
+    "short_system": short_system_prompt,
     "few_shot": few_shot,
     "multi_turn": multi_turn_chat,
     "branching": branching,
