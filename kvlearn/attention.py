@@ -150,18 +150,22 @@ def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadat
 
 
 def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
-    """Sequence indices in groups of similar lengths: prefills apart from decodes, then, longest
-    context first, a new group whenever a sequence's new tokens or context is under 1/PAD_RATIO of
-    the group's longest. One group when padding wastes little (the usual decode step)."""
+    """Sequence indices in groups of similar lengths: prefills apart from decodes; then, most new
+    tokens first (longest context first among equals), a sequence starts a new group when its new
+    tokens are under 1/PAD_RATIO of the group's most, or when the group's contexts would then differ
+    by more than PAD_RATIO. One group when padding wastes little (the usual decode step)."""
     groups = []
     for kind in ([i for i, q in enumerate(query_lens) if q > 1], [i for i, q in enumerate(query_lens) if q == 1]):
-        group, longest_q, longest_kv = [], 0, 0
-        for i in sorted(kind, key=lambda i: -kv_lens[i]):
-            if group and (query_lens[i] * PAD_RATIO < longest_q or kv_lens[i] * PAD_RATIO < longest_kv):
+        group, shortest, longest = [], 0, 0
+        for i in sorted(kind, key=lambda i: (-query_lens[i], -kv_lens[i])):
+            if group and (query_lens[i] * PAD_RATIO < query_lens[group[0]]
+                          or max(longest, kv_lens[i]) > PAD_RATIO * min(shortest, kv_lens[i])):
                 groups.append(group)
-                group, longest_q, longest_kv = [], 0, 0
+                group = []
+            if not group:
+                shortest = longest = kv_lens[i]
             group.append(i)
-            longest_q, longest_kv = max(longest_q, query_lens[i]), max(longest_kv, kv_lens[i])
+            shortest, longest = min(shortest, kv_lens[i]), max(longest, kv_lens[i])
         if group:
             groups.append(group)
     return groups

@@ -79,7 +79,10 @@ class Engine:
     below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
     folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
     cached. With both left at None there are no tiers. disk_max_bytes: the disk tier's capacity
-    (least recently used pages are deleted first); None: no limit.
+    (least recently used pages are deleted first); None: no limit. share_in_step ("radix" without
+    tiers): a request whose prompt shares a prefix with one admitted in the same step runs at once
+    on its partner's slots, as in vLLM, instead of waiting one step for the partner's prompt to
+    reach the cache, as in SGLang (the default; see `kvlearn.serving.scheduler`).
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError.
@@ -93,9 +96,12 @@ class Engine:
                  schedule: str = "fcfs",
                  max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
                  write_policy: str = "write_back", disk_max_bytes: int | None = None, plain_text: bool = False,
-                 fast: bool = False):
+                 fast: bool = False, share_in_step: bool = False):
         check_choice("cache", cache, CACHE_MODES)
         check_tier_options(cache, host_slots, disk_dir, write_policy, disk_max_bytes)
+        if share_in_step and (cache != "radix" or host_slots is not None or disk_dir is not None):
+            raise ValueError("share_in_step needs cache='radix' without tiers (host_slots, disk_dir): "
+                             "only there can a request read slots another request fills in the same step.")
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         check_positive_int("max_running", max_running)
@@ -116,7 +122,7 @@ class Engine:
             self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running,
                                      disk_max_bytes)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids,
-                                   chunked_prefill=chunked_prefill)
+                                   chunked_prefill=chunked_prefill, share_in_step=share_in_step)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.reset_stats()

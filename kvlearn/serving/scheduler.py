@@ -21,7 +21,11 @@ kvlearn keeps the simpler rule, and a preempted request's computed chunks do go 
 
 A request that shares a not-yet-computed prefix with one admitted in the same step waits a step:
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
-once (SGLang's in-batch prefix check).
+once (SGLang's in-batch prefix check). With `share_in_step` (radix only) it runs in the same step
+instead, reading its partner's slots, as vLLM does (vLLM caches a prompt's blocks when it
+allocates them): every layer writes the K and V of all the step's new tokens before any sequence
+attends, so the shared prefix is computed once and nobody waits. That needs both prompts computed
+whole in this step; a chunked one still makes its partners wait.
 
 Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
@@ -113,18 +117,22 @@ class Scheduler:
 
     in_batch_threshold: a waiting request whose prompt shares at least this many more tokens with
     a request admitted in the same step than with the cache waits one step (0 turns it off).
+    share_in_step: such a request runs in the same step instead, on its partner's slots, where
+    the KV manager can lend them (`lends_in_step`) and both prompts are computed whole now.
     chunked_prefill: split a prompt that does not fit in the step's budget across steps (else it
     waits, and runs alone, whole, when nothing else is running). `stats` counts since the last `reset_stats()`: prefill counts include recomputation after a
     preemption; peak_slots is the most slots live requests used at once, shared slots once.
     """
 
     def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
-                 eos_token_ids=(), in_batch_threshold: int = 1, chunked_prefill: bool = True):
+                 eos_token_ids=(), in_batch_threshold: int = 1, chunked_prefill: bool = True,
+                 share_in_step: bool = False):
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
         self.kv, self.max_batch_tokens, self.schedule_policy = kv, max_batch_tokens, schedule
         self.eos_token_ids = frozenset(eos_token_ids)
         self.in_batch_threshold, self.chunked_prefill = in_batch_threshold, bool(chunked_prefill)
+        self.share_in_step = bool(share_in_step) and kv.lends_in_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preemption takes from the end
         self.num_steps = 0
@@ -220,11 +228,13 @@ class Scheduler:
         admitted = []
         if not self.waiting or budget <= 0:
             return admitted
-        # The prompts admitted this step, in a tree of their own (values unused): a request that
-        # shares more with them than with the cache would compute that shared part twice. The tree
-        # is built when a request is checked against something (most steps admit one or none).
+        # The prompts admitted this step, in a tree of their own: a request that shares more with
+        # them than with the cache would compute that shared part twice. The tree's values are the
+        # admitted requests' slots (each computed whole in this step: a chunk takes the rest of the
+        # budget, so nobody is admitted after it). It is built when a request is checked against
+        # something (most steps admit one or none).
         check = self.kv.caches_prefixes and self.in_batch_threshold
-        in_batch, unchecked = None, []  # the tree, and admitted prompts not in it yet
+        in_batch, unchecked = None, []  # the tree, and admitted (prompt, slots) not in it yet
         page = self.kv.page_size
         for req, cached in self._queue_order():
             if budget <= 0:
@@ -232,16 +242,21 @@ class Scheduler:
             extend = len(req.token_ids) - cached
             if extend > budget and not self.chunked_prefill and (admitted or self.running):
                 break  # too big for this step; alone (nothing else to run) it may exceed the budget
+            lent = None
             if check and (admitted or self.in_batch_threshold < 0):  # (an empty tree shares 0 tokens)
-                in_batch = RadixCache() if in_batch is None else in_batch
-                for prompt in unchecked:
-                    in_batch.insert(prompt, torch.zeros(len(prompt), dtype=torch.int64))
+                in_batch = RadixCache(page, device=self.kv.pool.device) if in_batch is None else in_batch
+                for prompt, slots in unchecked:
+                    in_batch.insert(prompt, slots)
                 unchecked.clear()
-                shared = in_batch.match_len(req.token_ids[:-1]) // page * page
+                match = in_batch.match_prefix(req.token_ids[:-1])  # whole pages, each one request's
+                shared = len(match)
                 if shared - cached >= self.in_batch_threshold:
-                    self.report.deferred.append(req.rid)
-                    continue
-            cached = self.kv.admit(req)  # what admission actually found
+                    lent = match.indices[:shared]
+                    # Lent slots are read in this step only: the request must be computed whole.
+                    if not (self.share_in_step and len(req.token_ids) - shared <= budget):
+                        self.report.deferred.append(req.rid)
+                        continue
+            cached = self.kv.admit(req, lent)  # what admission actually found
             if cached is None:
                 break  # the pool is full; running requests free slots as they finish
             self.waiting.remove(req)
@@ -253,7 +268,7 @@ class Scheduler:
             budget -= now
             self.report.prefills.append((req.rid, cached, now))
             if check:
-                unchecked.append(req.token_ids)
+                unchecked.append((req.token_ids, self.kv.kv_indices(req)))
         return admitted
 
     def abort(self, requests: list[Request]) -> None:
