@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tests.hf_reference import hf_greedy
 from kvlearn.serving.simulate import simulate
+from kvlearn.serving.config import DEFAULT_NUM_SLOTS, EngineConfig
 from kvlearn.serving.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.pool import KVPool
@@ -61,11 +62,11 @@ class RecordingForward:
 
 
 def run_scheduler(prompts, cache="radix", num_slots=4096, page_size=1, max_new_tokens=8, schedule="fcfs",
-                  max_batch_tokens=2048, in_batch_threshold=1, eos=EOS, chunked_prefill=True, share_in_step=False):
+                  max_batch_tokens=2048, in_batch_threshold=1, eos=EOS, chunked_prefill=True):
     pool = KVPool(1, 1, 1, num_slots, page_size=page_size)
     kv = make_kv_manager(cache, pool)
     scheduler = Scheduler(kv, max_batch_tokens, schedule, (eos,), in_batch_threshold=in_batch_threshold,
-                          chunked_prefill=chunked_prefill, share_in_step=share_in_step)
+                          chunked_prefill=chunked_prefill)
     forward = RecordingForward(num_slots, eos)
     requests = [Request(i, p, max_new_tokens, page_size) for i, p in enumerate(prompts)]
     for req in requests:
@@ -108,8 +109,7 @@ def scenarios(draw):
     return dict(prompts=prompts, cache=cache, page_size=page_size, max_new_tokens=max_new_tokens,
                 num_slots=num_slots, schedule=draw(st.sampled_from(SCHEDULES)),
                 max_batch_tokens=draw(st.sampled_from([1, 5, 16, 2048])),
-                in_batch_threshold=draw(st.sampled_from([0, 1, 8])), chunked_prefill=draw(st.booleans()),
-                share_in_step=draw(st.booleans()))
+                in_batch_threshold=draw(st.sampled_from([0, 1, 8])), chunked_prefill=draw(st.booleans()))
 
 
 @given(scenarios())
@@ -143,49 +143,6 @@ def test_shared_prefix_is_computed_once_even_when_admitted_together():
     # Blocks share whole blocks only: at least the floor, at most one partial block more per prompt.
     _, _, scheduler, _ = run_scheduler(prompts, cache="blocks", page_size=8)
     assert floor <= scheduler.stats["computed_prefill_tokens"] <= floor + 6 * 8
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_sharing_within_a_step_computes_the_prefix_once_and_nobody_waits(page_size):
-    """vLLM's way: requests admitted after r0 in the same step read r0's slots for the shared
-    prefix, in the same forward. Same floor as waiting a step (SGLang's way), one step fewer."""
-    shared = list(range(1, 41))
-    prompts = [shared + [41 + i, 42 + i] for i in range(6)]
-    requests, reports, scheduler, pool = run_scheduler(prompts, page_size=page_size, share_in_step=True)
-    waited = run_scheduler(prompts, page_size=page_size)
-    assert not reports[0].deferred and [r for r, _, _ in reports[0].prefills] == [0, 1, 2, 3, 4, 5]
-    assert [cached for _, cached, _ in reports[0].prefills] == [0] + [40 // page_size * page_size] * 5
-    assert scheduler.stats["computed_prefill_tokens"] == waited[2].stats["computed_prefill_tokens"]
-    assert len(reports) == len(waited[1]) - 1
-    assert [r.output_ids for r in requests] == [r.output_ids for r in waited[0]]
-    assert_all_free_after_evict(scheduler, pool)
-
-
-def test_only_a_request_computed_whole_borrows_and_a_failed_step_leaves_no_unwritten_kv():
-    shared = list(range(1, 41))
-    prompts = [shared + [41 + i, 42 + i] for i in range(3)]
-    # After r0's 42 tokens, 8 of a 50-token budget are left: r1's own 22 would need chunks, and
-    # slots are lent for one step only, so r1 waits; r2's 2 fit and borrow.
-    long = [shared + list(range(100, 122))]
-    _, reports, _, _ = run_scheduler(prompts[:1] + long + prompts[2:], max_batch_tokens=50, share_in_step=True)
-    assert reports[0].deferred == [1] and [r for r, _, _ in reports[0].prefills] == [0, 2]
-    # A step that fails after sharing: aborting gives back every slot, and the cache holds only
-    # KV that was written (here: nothing, as no forward ran).
-    pool = KVPool(1, 1, 1, 256)
-    kv = make_kv_manager("radix", pool)
-    scheduler = Scheduler(kv, 2048, "fcfs", (EOS,), share_in_step=True)
-    for i, p in enumerate(prompts):
-        scheduler.add(Request(i, p, 4, 1))
-    batch = scheduler.schedule()
-    assert len(batch) == 3 and [r.kv.lent for r in batch.requests] == [0, 40, 40]
-    scheduler.abort(list(scheduler.running))
-    assert kv.tree.total_size == 0 and pool.num_free == pool.num_slots
-
-
-@pytest.mark.parametrize("options", [dict(cache="blocks"), dict(cache="none"), dict(cache="radix", host_slots=64)])
-def test_sharing_within_a_step_needs_the_radix_tree_without_tiers(model, tokenizer, options):
-    with pytest.raises(ValueError, match="share_in_step needs cache='radix' without tiers"):
-        Engine(model, tokenizer, num_slots=256, share_in_step=True, **options)
 
 
 def test_full_hit_still_computes_the_last_token():
@@ -320,6 +277,32 @@ def test_scheduler_rejects_bad_settings():
         make_kv_manager("lru", pool)
     with pytest.raises(ValueError, match="page_size"):  # blocks are pages: the pool must hold whole ones
         KVPool(1, 1, 1, 10, page_size=4)
+    with pytest.raises(TypeError, match="in_batch_threshold must be an int"):
+        Scheduler(make_kv_manager("none", pool), in_batch_threshold=None)
+
+
+def test_engine_config_is_checked_once_with_clear_errors():
+    """Every option is a field of EngineConfig, checked when the config is made; sizes left None
+    get their defaults; keyword options replace a config's fields; a misspelt option is named."""
+    blocks = EngineConfig(cache="blocks")
+    assert (blocks.page_size, blocks.num_slots, blocks.tiered) == (16, DEFAULT_NUM_SLOTS, False)
+    assert EngineConfig.from_options(blocks, max_batch_tokens=64).max_batch_tokens == 64
+    assert EngineConfig(host_slots=64).tiered and blocks.max_batch_tokens == 2048  # the original is untouched
+    bad = [(dict(cache="lru"), ValueError, "Unknown cache 'lru'"),
+           (dict(schedule="sjf"), ValueError, "Unknown schedule"),
+           (dict(write_policy="later"), ValueError, "Unknown write_policy"),
+           (dict(max_batch_tokens=0), ValueError, "max_batch_tokens must be >= 1"),
+           (dict(max_running=True), TypeError, "max_running must be an int"),
+           (dict(host_slots=-4), ValueError, "host_slots must be >= 1"),
+           (dict(disk_max_bytes=1024), ValueError, "give disk_dir too"),
+           (dict(cache="blocks", host_slots=64), ValueError, "need cache='radix'")]
+    for options, error, message in bad:
+        with pytest.raises(error, match=message):
+            EngineConfig(**options)
+    with pytest.raises(TypeError, match="Unknown engine option.* num_slot: the options are cache, num_slots"):
+        EngineConfig.from_options(num_slot=64)
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        EngineConfig.from_options({"cache": "none"})
 
 
 # --- the real model ------------------------------------------------------------------------------
@@ -353,25 +336,6 @@ def test_engine_matches_hf_generate(model, tokenizer, workloads, name, cache):
         assert stats["computed_prefill_tokens"] >= workload.unique_token_floor
     else:
         assert stats["computed_prefill_tokens"] == workload.num_prompt_tokens
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fast", [False, True])
-@pytest.mark.parametrize("name", ["shared_system", "multi_turn", "branching"])
-def test_sharing_within_a_step_matches_hf_generate_at_the_floor(model, tokenizer, workloads, name, fast):
-    """Requests that read a partner's slots in the step that writes them get Hugging Face's tokens,
-    the prefix is computed once, and nobody waits a step for it."""
-    workload = workloads[name]
-    engine = Engine(model, tokenizer, num_slots=4096, share_in_step=True, fast=fast)
-    requests = [engine.add_request(prompt, MAX_NEW) for prompt in workload.prompt_lists()]
-    first = engine.step()
-    assert not first.deferred and len(first.prefills) == workload.num_requests
-    assert sum(cached for _, cached, _ in first.prefills) > 0  # someone read a partner's slots
-    while engine.has_unfinished():
-        engine.step()
-    for req, prompt in zip(requests, workload.prompts):
-        assert req.output_ids == hf_greedy(model, prompt, MAX_NEW)
-    assert engine.stats["computed_prefill_tokens"] == workload.unique_token_floor
 
 
 @pytest.mark.slow

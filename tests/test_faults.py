@@ -25,11 +25,8 @@ def tiny():
 
 
 def engine(model, tokenizer, cache):
-    """cache: a cache mode, or "radix-share" (radix with sharing within a step: in the first step
-    the second and third prompts read the first one's slots)."""
-    mode = cache.removesuffix("-share")
-    return Engine(model, tokenizer, cache=mode, num_slots=SLOTS[mode], page_size=4 if mode == "blocks" else 1,
-                  max_batch_tokens=24, share_in_step=cache.endswith("-share"))
+    return Engine(model, tokenizer, cache=cache, num_slots=SLOTS[cache], page_size=4 if cache == "blocks" else 1,
+                  max_batch_tokens=24)
 
 
 def tokens(eng):
@@ -45,7 +42,7 @@ def sample(n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache", [*CACHE_MODES, "radix-share"])
+@pytest.mark.parametrize("cache", CACHE_MODES)
 def test_a_fault_at_any_bookkeeping_call_leaves_the_engine_whole(tiny, tokenizer, cache):
     reference = tokens(engine(tiny, tokenizer, cache))
     probe = engine(tiny, tokenizer, cache)
@@ -69,9 +66,8 @@ def test_a_fault_at_any_bookkeeping_call_leaves_the_engine_whole(tiny, tokenizer
     assert tried >= 20 and broken == [], broken
 
 
-@pytest.mark.parametrize("cache", ["radix", "radix-share"])
-def test_a_failed_step_aborts_running_requests_and_keeps_waiting_ones(tiny, tokenizer, cache):
-    eng = engine(tiny, tokenizer, cache)
+def test_a_failed_step_aborts_running_requests_and_keeps_waiting_ones(tiny, tokenizer):
+    eng = engine(tiny, tokenizer, "radix")
     first = eng.add_request(PROMPTS[0], max_new_tokens=3)
     eng.step()
     late = eng.add_request(PROMPTS[1], max_new_tokens=3)

@@ -36,10 +36,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--plain", action="store_true",
                    help="run kvlearn on the plain path the chapters teach, not its packed-weights fast path")
-    p.add_argument("--defer-in-batch", action="store_true",
-                   help="radix makes a request wait a step for a prefix that a request admitted in the same step "
-                        "computes (SGLang's way, the engine's default), instead of sharing it within the step "
-                        "(vLLM's way, Engine(share_in_step=True))")
     return p
 
 
@@ -74,9 +70,9 @@ def main(argv: list[str]) -> int:
         workload = make_workload(args.workload, tokenizer, **sizes)
     except ValueError as err:
         parser.error(str(err))
-    share = not args.defer_in_batch
     print(f"{workload!r}; {args.max_new_tokens} greedy tokens each; {torch.get_num_threads()} torch threads "
-          f"on {model.device}; radix {'shares prefixes within a step' if share else 'defers in-batch sharers a step'}")
+          f"on {model.device}; the engine's defaults (a request that shares a prefix with one admitted in "
+          f"the same step waits a step)")
     runs = systems + (["vllm"] if args.vllm_python else [])
     results = []
     warm_up(model, tokenizer, fast=not args.plain)
@@ -85,8 +81,7 @@ def main(argv: list[str]) -> int:
             bar.set_postfix_str(system)
             if system in KVLEARN_SYSTEMS:
                 results.append(run_kvlearn(model, tokenizer, workload, system, args.max_new_tokens,
-                                           schedule=args.schedule, fast=not args.plain,
-                                           share_in_step=share and system == "radix")[0])
+                                           schedule=args.schedule, fast=not args.plain)[0])
             elif system == "hf":
                 results.append(run_hf_generate(model, workload, args.max_new_tokens))
             elif system == "hf-cb":

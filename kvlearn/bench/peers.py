@@ -53,17 +53,14 @@ class SystemResult:
 # --- the systems ----------------------------------------------------------------------------------
 
 def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens: int,
-                num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False, fast: bool = False,
-                share_in_step: bool = False):
-    """The kvlearn engine (`fast`: its packed-weights path; `share_in_step`, radix only: vLLM's
-    sharing within a step). The time is serving only: building the engine (its KV pool, the packed
+                num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False, fast: bool = False):
+    """The kvlearn engine (`fast`: its packed-weights path). The time is serving only: building the engine (its KV pool, the packed
     weights) comes before it, as vLLM's start-up comes before its timed `generate`. Returns the
     result and the engine (for its cache and stats)."""
     from kvlearn.serving.engine import Engine, slots_without_sharing
 
     num_slots = num_slots or slots_without_sharing(workload.prompts, max_new_tokens)
-    engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule, fast=fast,
-                    share_in_step=share_in_step)
+    engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule, fast=fast)
     start = time.perf_counter()
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=progress)
     wall = time.perf_counter() - start

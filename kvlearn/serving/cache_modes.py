@@ -41,7 +41,7 @@ class NoCacheKV(SlotKV):
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def admit(self, req: Request, lent: torch.Tensor | None = None) -> int | None:
+    def admit(self, req: Request) -> int | None:
         return self._admit_after(req, torch.empty(0, dtype=torch.int64, device=self.pool.device))
 
     def after_forward(self, req: Request, prefilled: bool) -> None:
@@ -71,15 +71,9 @@ class RadixKV(SlotKV):
 
     Locks: a running request holds one lock, on the tree node where its borrowed prefix ends; the
     tree's protected size is therefore exactly the running requests' shared prefixes.
-
-    Sharing within a step (`lends_in_step`): slots lent at admission (see `KVManager.admit`) follow
-    the cached prefix in the request's row. Their owners publish them in their own `after_forward`,
-    which runs first (they were admitted first), so this request's `_insert` finds them in the tree
-    under the same slots and frees nothing. If the step fails before that, `release` hands the tree
-    only the cached prefix: the lent slots were never written for it, and are not its to free.
     """
 
-    name, caches_prefixes, lends_in_step = "radix", True, True
+    name, caches_prefixes = "radix", True
 
     def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
@@ -106,11 +100,10 @@ class RadixKV(SlotKV):
         self._evicted += freed
         return freed
 
-    def admit(self, req: Request, lent: torch.Tensor | None = None) -> int | None:
+    def admit(self, req: Request) -> int | None:
         # Match all but the last token: its logits are needed, so it is always computed.
         match = self.tree.match_prefix(req.token_ids[:-1])
-        lent = None if lent is None or len(lent) <= len(match) else lent[len(match):]
-        need = self._pages(len(req.token_ids) - len(match) - (0 if lent is None else len(lent))) * self.page_size
+        need = self._pages(len(req.token_ids) - len(match)) * self.page_size
         # Refuse before locking when even evicting everything but the match would not make room.
         spare = self.tree.evictable_size - self.tree.unlocked_on_path(match.last_node)
         if not self.rows.num_free or self.pool.num_free + spare < need:
@@ -118,7 +111,7 @@ class RadixKV(SlotKV):
         # Lock before allocating, so the eviction that allocation may trigger cannot take the match.
         self.tree.lock(match.last_node)
         try:
-            return self._admit_after(req, match.indices, match.last_node, lent)  # room was checked: not None
+            return self._admit_after(req, match.indices, match.last_node)  # room was checked: not None
         except BaseException:
             self.tree.unlock(match.last_node)
             raise
@@ -126,12 +119,9 @@ class RadixKV(SlotKV):
     def after_forward(self, req: Request, prefilled: bool) -> None:
         if prefilled:  # publish the prompt at once, so requests admitted later share it
             self._insert(req, len(req.token_ids), keep_locked=True)
-            req.kv.lent = 0  # the owners published the lent slots: the tree's now, under this lock
 
     def release(self, req: Request) -> None:
-        h = req.kv
-        computed = min(req.num_computed, h.prefix_len) if h.lent else req.num_computed
-        self._insert(req, computed, keep_locked=False)  # the tree takes the computed head...
+        self._insert(req, req.num_computed, keep_locked=False)  # the tree takes the computed head...
         self._free_private(req)                         # ...and the rest goes back to the pool
 
     def _insert(self, req: Request, n: int, keep_locked: bool) -> None:
@@ -164,7 +154,7 @@ class RadixKV(SlotKV):
 
     def slots_in_use(self, running: list[Request]) -> int:
         # Locked paths are exactly the running requests' prefixes; the rest of each row is private.
-        return self.tree.protected_size + sum(r.kv.num_slots - r.kv.prefix_len - r.kv.lent for r in running)
+        return self.tree.protected_size + sum(r.kv.num_slots - r.kv.prefix_len for r in running)
 
     def evict_all(self) -> int:
         return self.evict(self.tree.evictable_size)
@@ -203,7 +193,7 @@ class BlockKV(KVManager):
     def _table_slots(self, block_ids: list[int]) -> torch.Tensor:
         return self.pool.slots_of(torch.tensor(block_ids, dtype=torch.int64, device=self.pool.device))
 
-    def admit(self, req: Request, lent: torch.Tensor | None = None) -> int | None:
+    def admit(self, req: Request) -> int | None:
         if not self.rows.num_free or not self.manager.can_allocate(req):
             return None
         self.manager.allocate(req)  # fills req.block_table and req.num_cached_tokens

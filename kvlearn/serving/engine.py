@@ -19,18 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlearn.errors import KVCapacityError, check_choice, check_positive_int
+from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
-from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
-from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
-from kvlearn.serving.request import Request
-from kvlearn.serving.scheduler import SCHEDULES, Scheduler, StepReport
+from kvlearn.serving.cache_modes import make_kv_manager
+from kvlearn.serving.config import EngineConfig
+from kvlearn.serving.request import Request, RequestStatus
+from kvlearn.serving.scheduler import Scheduler, StepReport
 from kvlearn.tiers import check_tier_options, make_tiered_kv, tier_counters
-
-DEFAULT_NUM_SLOTS = 8192        # about 377 MB of float32 KV for SmolLM2-135M
-
 
 def slots_without_sharing(prompts, max_new_tokens: int, page_size: int = 16) -> int:
     """A pool that holds every prompt and its output in whole pages without any sharing: nobody
@@ -64,25 +61,9 @@ def with_rates(counters: dict, wall_time_s: float) -> dict:
 class Engine:
     """Greedy generation for many prompts at once, with KV in one pool and a prefix cache.
 
-    cache: "radix" (chapter 3's tree), "blocks" (chapter 2's hashed blocks) or "none".
-    num_slots: KV pool size in tokens (default DEFAULT_NUM_SLOTS). page_size: tokens per page of
-    the pool; in "blocks" mode the block size (default 16), else 1. max_batch_tokens: tokens
-    computed per step at most (decodes count one each). chunked_prefill: a prompt longer than what
-    is left of that budget is computed in chunks over several steps while the others keep decoding
-    (with False it waits until nothing else runs, then runs whole, exceeding the budget).
-    schedule: "fcfs" or "lpm" (longest cached prefix first). max_running: requests that can hold
-    KV at once (rows of the ReqToTokenPool). plain_text: tokenize string prompts as plain text, so
-    that a typed `<|im_start|>` cannot forge a chat turn (by default, as in transformers, it becomes
-    the control token; see `kvlearn.model.chat_ids`). fast: run the model through the engine's own
-    packed copy of the weights (`kvlearn.fast`; the same tokens, several times faster on CPU, and
-    the model's size again in memory); the chapters teach the plain path. host_slots, disk_dir, write_policy: chapter 8's tiers
-    below the pool ("radix" only): a host pool of host_slots tokens and/or an existing, writable
-    folder of KV pages; "write_back" copies KV down when it is evicted, "write_through" when it is
-    cached. With both left at None there are no tiers. disk_max_bytes: the disk tier's capacity
-    (least recently used pages are deleted first); None: no limit. share_in_step ("radix" without
-    tiers): a request whose prompt shares a prefix with one admitted in the same step runs at once
-    on its partner's slots, as in vLLM, instead of waiting one step for the partner's prompt to
-    reach the cache, as in SGLang (the default; see `kvlearn.serving.scheduler`).
+    `Engine(model, tokenizer, config)` with an `EngineConfig`, or keyword options that are its
+    fields (`Engine(model, tokenizer, cache="blocks", num_slots=4096)`); both together: the options
+    replace the config's fields. Every option is documented in `kvlearn.serving.config`.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError.
@@ -91,41 +72,34 @@ class Engine:
     requests queued by `add_request` are still running).
     """
 
-    def __init__(self, model, tokenizer, cache: str = "radix", num_slots: int | None = None,
-                 page_size: int | None = None, max_batch_tokens: int = 2048, chunked_prefill: bool = True,
-                 schedule: str = "fcfs",
-                 max_running: int = DEFAULT_MAX_REQUESTS, host_slots: int | None = None, disk_dir=None,
-                 write_policy: str = "write_back", disk_max_bytes: int | None = None, plain_text: bool = False,
-                 fast: bool = False, share_in_step: bool = False):
-        check_choice("cache", cache, CACHE_MODES)
-        check_tier_options(cache, host_slots, disk_dir, write_policy, disk_max_bytes)
-        if share_in_step and (cache != "radix" or host_slots is not None or disk_dir is not None):
-            raise ValueError("share_in_step needs cache='radix' without tiers (host_slots, disk_dir): "
-                             "only there can a request read slots another request fills in the same step.")
-        check_choice("schedule", schedule, SCHEDULES)
-        check_positive_int("max_batch_tokens", max_batch_tokens)
-        check_positive_int("max_running", max_running)
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, **options):
+        self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
-        page_size = default_page_size(cache) if page_size is None else page_size
-        num_slots = DEFAULT_NUM_SLOTS if num_slots is None else num_slots
-        # The pool checks the sizes (num_slots a multiple of page_size) before anything is built.
-        self.pool = KVPool.for_model(model.config, num_slots=num_slots, dtype=model.dtype, device=model.device,
-                                     page_size=page_size)
-        self.model, self.tokenizer, self.cache_mode, self.plain_text = model, tokenizer, cache, bool(plain_text)
+        if c.tiered:
+            check_tier_options(c.cache, c.host_slots, c.disk_dir, c.write_policy, c.disk_max_bytes)
+        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built.
+        self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
+                                     page_size=c.page_size)
+        self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.runner = ModelRunner(model, self.pool, fast=fast)
-        if host_slots is None and disk_dir is None:
-            self.kv = make_kv_manager(cache, self.pool, max_running)
+        self.runner = ModelRunner(model, self.pool, fast=c.fast)
+        if c.tiered:
+            self.kv = make_tiered_kv(self.pool, model, c.host_slots, c.disk_dir, c.write_policy, c.max_running,
+                                     c.disk_max_bytes)
         else:
-            self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running,
-                                     disk_max_bytes)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids,
-                                   chunked_prefill=chunked_prefill, share_in_step=share_in_step)
+            self.kv = make_kv_manager(c.cache, self.pool, c.max_running)
+        self.scheduler = Scheduler(self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids,
+                                   chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.reset_stats()
+
+    @property
+    def cache_mode(self) -> str:
+        """"radix", "blocks" or "none"."""
+        return self.config.cache
 
     @property
     def cache(self):
@@ -145,7 +119,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
-            prompt = chat_ids(self.tokenizer, prompt, plain_text=self.plain_text)
+            prompt = chat_ids(self.tokenizer, prompt, plain_text=self.config.plain_text)
         elif isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         elif not isinstance(prompt, (list, tuple)):
@@ -239,7 +213,7 @@ class Engine:
                 bar = tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
                            leave=False)
             try:
-                while any(r.status in ("waiting", "running") for r in requests):
+                while any(r.status.live for r in requests):
                     self._step()
                     if bar is not None:
                         bar.n = sum(len(r.output_ids) for r in requests)

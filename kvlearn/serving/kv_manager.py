@@ -48,8 +48,6 @@ class KVHandle:
     num_slots: int = 0       # slots in the row (whole pages): at least the tokens with KV
     prefix_len: int = 0      # leading slots owned by the cache, borrowed by the request
     last_node: object = None  # radix: the locked tree node where the borrowed prefix ends
-    lent: int = 0            # slots after the prefix lent by requests prefilling in the same step:
-                             # theirs until this request's after_forward (see `admit`)
 
 
 class KVManager(ABC):
@@ -59,7 +57,6 @@ class KVManager(ABC):
     caches_prefixes: bool   # query: whether a request can reuse KV that another one computed
     page_size: int          # query: tokens per page of the pool (a block, in "blocks" mode)
     pool: KVPool            # query: the pool whose slots the manager hands out
-    lends_in_step: bool = False  # query: whether `admit` takes `lent` slots (sharing within a step)
 
     def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         self.pool, self.page_size = pool, pool.page_size
@@ -118,15 +115,9 @@ class KVManager(ABC):
 
     # --- mutations -------------------------------------------------------------------------------
     @abstractmethod
-    def admit(self, req: Request, lent: torch.Tensor | None = None) -> int | None:
+    def admit(self, req: Request) -> int | None:
         """Mutation: give the request a row and slots for all its tokens, reusing its cached prefix;
-        returns the cached length, or None, with nothing changed, when memory or rows are short.
-
-        lent (only where `lends_in_step`): slots of a longer prefix that requests admitted earlier
-        in this step compute in full in this step (vLLM's sharing within a step). The request reads
-        them in the same forward, after each layer has written them; they stay their owners' until
-        its `after_forward`, when its owners have published them to the cache. The returned length
-        counts them."""
+        returns the cached length, or None, with nothing changed, when memory or rows are short."""
 
     @abstractmethod
     def grow(self, req: Request) -> bool:
@@ -185,22 +176,19 @@ class SlotKV(KVManager):
             self.evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None, lent=None) -> int | None:
-        """Admit with `prefix` (slots of the cached head, already protected by the caller), then
-        the `lent` slots (whole pages, see `admit`)."""
-        lent = prefix[:0] if lent is None else lent
+    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
+        """Admit with `prefix` (slots of the cached head, already protected by the caller)."""
         if not self.rows.num_free:
             return None
-        new = self._alloc(self._pages(len(req.token_ids) - len(prefix) - len(lent)) * self.page_size)
+        new = self._alloc(self._pages(len(req.token_ids) - len(prefix)) * self.page_size)
         if new is None:
             return None
         try:
-            self._open_row(req, torch.cat([prefix, lent, new]), len(prefix), last_node)
+            self._open_row(req, torch.cat([prefix, new]), len(prefix), last_node)
         except BaseException:
             self.pool.free(new)
             raise
-        req.kv.lent = len(lent)
-        return len(prefix) + len(lent)
+        return len(prefix)
 
     def grow(self, req: Request) -> bool:
         h = req.kv
@@ -297,9 +285,8 @@ class SlotKV(KVManager):
         return evicted
 
     def _free_private(self, req: Request) -> None:
-        """Give the request's own slots back to the pool (lent ones stay their owners') and its
-        row back to the table."""
+        """Give the request's own slots back to the pool and its row back to the table."""
         h = req.kv
-        self.pool.free(self.rows.req_to_token[h.row, h.prefix_len + h.lent:h.num_slots])
-        h.num_slots, h.lent = h.prefix_len, 0  # nothing private left, should closing the row fail
+        self.pool.free(self.rows.req_to_token[h.row, h.prefix_len:h.num_slots])
+        h.num_slots = h.prefix_len  # nothing private left, should closing the row fail
         self._close_row(req)

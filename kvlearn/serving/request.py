@@ -7,9 +7,23 @@ it is in its life, and how many of its tokens already have KV.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from kvlearn.sequence import Sequence
 
-STATUSES = ("waiting", "running", "finished", "aborted")
+
+class RequestStatus(StrEnum):
+    """Where a request is in its life. A StrEnum: it prints, and compares equal to, its value."""
+
+    WAITING = "waiting"    # queued, holds no KV (also after a preemption)
+    RUNNING = "running"    # holds KV; prefilling (in chunks) or decoding
+    FINISHED = "finished"  # reached EOS or max_new_tokens; its KV went to the cache or the pool
+    ABORTED = "aborted"    # taken out by a step that failed; its output is cut short
+
+    @property
+    def live(self) -> bool:
+        """Whether the scheduler still has to run it."""
+        return self in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 class Request(Sequence):
@@ -19,16 +33,16 @@ class Request(Sequence):
     found cached and after each forward); the newest generated token never has KV until the next
     step computes it. prefill_len: the tokens its prefill computes up to, set at admission (the
     prompt, plus the outputs so far after a preemption); while num_computed < prefill_len the
-    prompt is still being computed, in chunks. kv: the KV manager's handle while the request holds KV (see
-    `kvlearn.serving.kv_manager.KVHandle`), None otherwise. status: "waiting", "running", "finished",
-or "aborted" (taken out by a step that failed; its output is cut short).
+    prompt is still being computed, in chunks (`prefilling`). kv: the KV manager's handle while the
+    request holds KV (see `kvlearn.serving.kv_manager.KVHandle`), None otherwise. status: a
+    `RequestStatus`, set by the scheduler.
     """
 
     def __init__(self, rid: int, prompt_ids, max_new_tokens: int, page_size: int = 1):
         super().__init__(prompt_ids, block_size=page_size)
         self.rid = rid
         self.max_new_tokens = max_new_tokens
-        self.status = "waiting"
+        self.status = RequestStatus.WAITING
         self.num_computed = self.prefill_len = 0
         self.kv = None
 
@@ -45,6 +59,11 @@ or "aborted" (taken out by a step that failed; its output is cut short).
     def done(self) -> bool:
         """Whether its budget is spent (the scheduler also finishes it at an end-of-sequence token)."""
         return len(self.token_ids) - self.num_prompt_tokens >= self.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """True while part of the prompt has no KV yet (a prefill in chunks)."""
+        return self.num_computed < self.prefill_len
 
     def __repr__(self) -> str:
         return (f"Request(r{self.rid}, {self.status}, {self.num_prompt_tokens} prompt + "

@@ -21,11 +21,11 @@ kvlearn keeps the simpler rule, and a preempted request's computed chunks do go 
 
 A request that shares a not-yet-computed prefix with one admitted in the same step waits a step:
 its partner's prompt is published to the cache right after its prefill, so the prefix is computed
-once (SGLang's in-batch prefix check). With `share_in_step` (radix only) it runs in the same step
-instead, reading its partner's slots, as vLLM does (vLLM caches a prompt's blocks when it
-allocates them): every layer writes the K and V of all the step's new tokens before any sequence
-attends, so the shared prefix is computed once and nobody waits. That needs both prompts computed
-whole in this step; a chunked one still makes its partners wait.
+once (SGLang's in-batch prefix check). vLLM lets it run in the same step instead: it caches a
+prompt's full blocks when it allocates them, and every layer writes the K and V of the step's new
+tokens before any sequence attends, so the partner reads them in the same forward. kvlearn keeps
+the wait: on the bench it costs 2-5 % (a few extra steps), and the cache only ever holds KV that
+has been computed.
 
 Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlearn.errors import check_choice, check_positive_int
+from kvlearn.errors import check_choice, check_int, check_positive_int
 from kvlearn.radix import RadixCache
 from kvlearn.serving.kv_manager import KVManager
-from kvlearn.serving.request import Request
+from kvlearn.serving.request import Request, RequestStatus
 
 SCHEDULES = ("fcfs", "lpm")
 # lpm sorts the queue by a prefix match per request; past this length it costs more than it
@@ -117,22 +117,19 @@ class Scheduler:
 
     in_batch_threshold: a waiting request whose prompt shares at least this many more tokens with
     a request admitted in the same step than with the cache waits one step (0 turns it off).
-    share_in_step: such a request runs in the same step instead, on its partner's slots, where
-    the KV manager can lend them (`lends_in_step`) and both prompts are computed whole now.
     chunked_prefill: split a prompt that does not fit in the step's budget across steps (else it
     waits, and runs alone, whole, when nothing else is running). `stats` counts since the last `reset_stats()`: prefill counts include recomputation after a
     preemption; peak_slots is the most slots live requests used at once, shared slots once.
     """
 
     def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
-                 eos_token_ids=(), in_batch_threshold: int = 1, chunked_prefill: bool = True,
-                 share_in_step: bool = False):
+                 eos_token_ids=(), in_batch_threshold: int = 1, chunked_prefill: bool = True):
         check_choice("schedule", schedule, SCHEDULES)
         check_positive_int("max_batch_tokens", max_batch_tokens)
+        check_int("in_batch_threshold", in_batch_threshold)
         self.kv, self.max_batch_tokens, self.schedule_policy = kv, max_batch_tokens, schedule
         self.eos_token_ids = frozenset(eos_token_ids)
         self.in_batch_threshold, self.chunked_prefill = in_batch_threshold, bool(chunked_prefill)
-        self.share_in_step = bool(share_in_step) and kv.lends_in_step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: preemption takes from the end
         self.num_steps = 0
@@ -190,9 +187,9 @@ class Scheduler:
         chunked prompt (their slots were taken at admission)."""
         decodes, prefilling = [], []
         for req in list(self.running):
-            if req.status != "running":  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 break
-            if req.num_computed < req.prefill_len:
+            if req.prefilling:
                 prefilling.append(req)
                 continue
             while not self.kv.grow(req):
@@ -202,14 +199,14 @@ class Scheduler:
                     break
             else:
                 decodes.append(req)
-        return decodes, [r for r in prefilling if r.status == "running"]
+        return decodes, [r for r in prefilling if r.status == RequestStatus.RUNNING]
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: the request gives its slots back (its computed tokens go to the
         cache, if any) and goes first in line to be prefilled again, outputs included."""
         self.kv.release(req)
         self.running.remove(req)
-        req.status, req.num_computed = "waiting", 0
+        req.status, req.num_computed = RequestStatus.WAITING, 0
         self.waiting.appendleft(req)
         self.report.preempted.append(req.rid)
 
@@ -226,50 +223,41 @@ class Scheduler:
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
         """Admit waiting requests while budget and pool allow: (request, tokens to compute now)."""
         admitted = []
-        if not self.waiting or budget <= 0:
-            return admitted
-        # The prompts admitted this step, in a tree of their own: a request that shares more with
-        # them than with the cache would compute that shared part twice. The tree's values are the
-        # admitted requests' slots (each computed whole in this step: a chunk takes the rest of the
-        # budget, so nobody is admitted after it). It is built when a request is checked against
-        # something (most steps admit one or none).
-        check = self.kv.caches_prefixes and self.in_batch_threshold
-        in_batch, unchecked = None, []  # the tree, and admitted (prompt, slots) not in it yet
-        page = self.kv.page_size
+        in_batch = InBatchPrefixes(self.kv.page_size) if self.kv.caches_prefixes and self.in_batch_threshold else None
         for req, cached in self._queue_order():
-            if budget <= 0:
+            if budget <= 0 or self._waits_for_empty_step(req, cached, budget, admitted):
                 break
-            extend = len(req.token_ids) - cached
-            if extend > budget and not self.chunked_prefill and (admitted or self.running):
-                break  # too big for this step; alone (nothing else to run) it may exceed the budget
-            lent = None
-            if check and (admitted or self.in_batch_threshold < 0):  # (an empty tree shares 0 tokens)
-                in_batch = RadixCache(page, device=self.kv.pool.device) if in_batch is None else in_batch
-                for prompt, slots in unchecked:
-                    in_batch.insert(prompt, slots)
-                unchecked.clear()
-                match = in_batch.match_prefix(req.token_ids[:-1])  # whole pages, each one request's
-                shared = len(match)
-                if shared - cached >= self.in_batch_threshold:
-                    lent = match.indices[:shared]
-                    # Lent slots are read in this step only: the request must be computed whole.
-                    if not (self.share_in_step and len(req.token_ids) - shared <= budget):
-                        self.report.deferred.append(req.rid)
-                        continue
-            cached = self.kv.admit(req, lent)  # what admission actually found
-            if cached is None:
+            if in_batch is not None and in_batch.shared_len(req.token_ids) - cached >= self.in_batch_threshold:
+                self.report.deferred.append(req.rid)  # its partner's prompt reaches the cache after this step
+                continue
+            now = self._start(req, budget)
+            if now is None:
                 break  # the pool is full; running requests free slots as they finish
-            self.waiting.remove(req)
-            req.status, req.num_computed, req.prefill_len = "running", cached, len(req.token_ids)
-            self.running.append(req)
-            extend = len(req.token_ids) - cached
-            now = min(extend, budget) if self.chunked_prefill else extend
             admitted.append((req, now))
             budget -= now
-            self.report.prefills.append((req.rid, cached, now))
-            if check:
-                unchecked.append((req.token_ids, self.kv.kv_indices(req)))
+            if in_batch is not None:
+                in_batch.add(req.token_ids)
         return admitted
+
+    def _waits_for_empty_step(self, req: Request, cached: int, budget: int, admitted: list) -> bool:
+        """Without chunked prefill, a prompt too big for what is left of the budget waits until
+        nothing else runs; then it runs alone, whole, over the budget."""
+        too_big = len(req.token_ids) - cached > budget
+        return too_big and not self.chunked_prefill and bool(admitted or self.running)
+
+    def _start(self, req: Request, budget: int) -> int | None:
+        """Give the request its KV (the KV manager reuses what is cached) and make it run; returns
+        the tokens it computes in this step, or None, with nothing changed, when memory is short."""
+        cached = self.kv.admit(req)  # what admission actually found
+        if cached is None:
+            return None
+        self.waiting.remove(req)
+        req.status, req.num_computed, req.prefill_len = RequestStatus.RUNNING, cached, len(req.token_ids)
+        self.running.append(req)
+        extend = len(req.token_ids) - cached
+        now = min(extend, budget) if self.chunked_prefill else extend
+        self.report.prefills.append((req.rid, cached, now))
+        return now
 
     def abort(self, requests: list[Request]) -> None:
         """Take these requests out (after a failed or interrupted step): running ones give back
@@ -278,22 +266,22 @@ class Scheduler:
         can be repeated), and the first error is raised at the end if that fails too."""
         failed = []
         for req in requests:
-            if req.status == "waiting" and req in self.waiting:
+            if req.status == RequestStatus.WAITING and req in self.waiting:
                 self.waiting.remove(req)
-                req.status = "aborted"
-            elif req.status == "running":
+                req.status = RequestStatus.ABORTED
+            elif req.status == RequestStatus.RUNNING:
                 try:
-                    self._leave(req, "aborted")
+                    self._leave(req, RequestStatus.ABORTED)
                 except BaseException as err:
                     failed.append((req, err))
         for req, err in failed:
-            if req.status == "running":
+            if req.status == RequestStatus.RUNNING:
                 try:
-                    self._leave(req, "aborted")
+                    self._leave(req, RequestStatus.ABORTED)
                 except BaseException:
                     raise err from None
 
-    def _leave(self, req: Request, status: str = "finished") -> None:
+    def _leave(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """A running request gives its KV back and leaves `running`."""
         self.kv.release(req)
         self.running.remove(req)
@@ -318,3 +306,26 @@ class Scheduler:
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)
         return finished
+
+
+class InBatchPrefixes:
+    """The prompts admitted in one step, in a radix tree of their own (SGLang's in-batch prefix
+    check): a request that shares more with them than with the cache would compute the shared part
+    a second time. The tree is built only when a request is checked against a non-empty batch
+    (most steps admit one request or none); its values are never read."""
+
+    def __init__(self, page_size: int):
+        self.page_size, self.tree, self.unchecked = page_size, None, []
+
+    def add(self, token_ids: list[int]) -> None:
+        self.unchecked.append(token_ids)
+
+    def shared_len(self, token_ids: list[int]) -> int:
+        """Tokens, in whole pages, that `token_ids` (but its last) shares with an admitted prompt."""
+        if self.tree is None and not self.unchecked:
+            return 0
+        self.tree = RadixCache(self.page_size) if self.tree is None else self.tree
+        for prompt in self.unchecked:
+            self.tree.insert(prompt, torch.zeros(len(prompt), dtype=torch.int64))
+        self.unchecked.clear()
+        return self.tree.match_len(token_ids[:-1])

@@ -28,7 +28,7 @@ DISK_PAGE_TOKENS = 16  # tokens per disk file (rounded up to whole device pages)
 class TieredRadixKV(RadixKV):
     """Radix mode with a host pool and/or a disk store below the device pool."""
 
-    name, lends_in_step = "radix", False  # load_back fills the row right after the device match
+    name = "radix"
 
     def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, host: KVPool | None = None,
                  disk: DiskStore | None = None, write_policy: str = "write_back"):
@@ -49,7 +49,7 @@ class TieredRadixKV(RadixKV):
     def cached_len(self, token_ids: list[int]) -> int:
         return self.tree.reachable_len(token_ids[:-1])
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None, lent=None) -> int | None:
+    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
         # `prefix` is the match's device part; its slots for the rest come fresh from the pool.
         # Load what lies below the device into them before any forward reads the row.
         if super()._admit_after(req, prefix, last_node) is None:

@@ -1,0 +1,87 @@
+"""Chapter 6: every option of the serving engine, in one place, checked once.
+
+`Engine(model, tokenizer, EngineConfig(...))` or, the same, `Engine(model, tokenizer, cache=...,
+num_slots=...)`: keyword options are the fields below. `EngineConfig` checks every field when it is
+made (TypeError or ValueError naming the field and what to give), so an engine is never half built
+from bad options; what only the model or a folder can tell (the pool's bytes, whether a disk folder
+is writable) and the pool's sizes (chapter 4's `KVPool` checks its own) are checked by the part
+that needs them, before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from kvlearn.errors import check_choice, check_positive_int
+from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.serving.scheduler import SCHEDULES
+
+WRITE_POLICIES = ("write_back", "write_through")  # chapter 8: when KV is copied to the tiers below
+DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
+
+
+@dataclass
+class EngineConfig:
+    """The engine's options. `None` sizes are filled in with their defaults when the config is made."""
+
+    # --- the cache and the pool (chapters 2-4) ---
+    cache: str = "radix"                 # "radix" (chapter 3's tree), "blocks" (chapter 2's hashed blocks) or "none"
+    num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
+    page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
+    max_running: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
+
+    # --- the scheduler (chapter 6) ---
+    max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)
+    chunked_prefill: bool = True         # a prompt longer than the step's budget left is computed in chunks over
+                                         # several steps (False: it waits until nothing else runs, then runs whole)
+    schedule: str = "fcfs"               # "fcfs" or "lpm" (longest cached prefix first)
+
+    # --- the model (chapter 5) ---
+    plain_text: bool = False             # tokenize string prompts as plain text, so a typed `<|im_start|>` cannot
+                                         # forge a chat turn (by default it becomes the control token, as in transformers)
+    fast: bool = False                   # run the model through the engine's packed copy of the weights (kvlearn.fast:
+                                         # the same tokens, several times faster on CPU, the model's size again in memory)
+
+    # --- tiers below the pool (chapter 8; "radix" only; with host_slots and disk_dir None there are none) ---
+    host_slots: int | None = None        # tokens of KV a host pool holds
+    disk_dir: str | os.PathLike | None = None  # an existing, writable folder of KV pages, reused across restarts
+    write_policy: str = "write_back"     # "write_back": KV goes down when it is evicted; "write_through": when cached
+    disk_max_bytes: int | None = None    # the disk tier's capacity (least recently used pages go first); None: no limit
+
+    def __post_init__(self):
+        check_choice("cache", self.cache, CACHE_MODES)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("write_policy", self.write_policy, WRITE_POLICIES)
+        self.page_size = default_page_size(self.cache) if self.page_size is None else self.page_size
+        self.num_slots = DEFAULT_NUM_SLOTS if self.num_slots is None else self.num_slots
+        check_positive_int("max_batch_tokens", self.max_batch_tokens)
+        check_positive_int("max_running", self.max_running)
+        if self.host_slots is not None:
+            check_positive_int("host_slots", self.host_slots, " (tokens of KV the host tier holds)")
+        if self.disk_max_bytes is not None:
+            check_positive_int("disk_max_bytes", self.disk_max_bytes, " (bytes the disk tier may use)")
+            if self.disk_dir is None:
+                raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
+        if self.tiered and self.cache != "radix":
+            raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
+                             f"tree), got cache={self.cache!r}.")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether there are tiers below the pool (chapter 8)."""
+        return self.host_slots is not None or self.disk_dir is not None
+
+    @classmethod
+    def from_options(cls, config: EngineConfig | None = None, **options) -> EngineConfig:
+        """`config` with `options` (field names) replacing its fields; a name that is not a field
+        is a TypeError that lists the fields."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"Unknown engine option(s) {', '.join(unknown)}: the options are {', '.join(names)}.")
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
+        base = {} if config is None else {name: getattr(config, name) for name in names}
+        return cls(**{**base, **options})
