@@ -108,10 +108,10 @@ notebooks: setup
 student: setup
 	$(PY) -m kvlearn student --src notebooks --dest student
 
-# Figures are written by code: re-execute every notebook in place, then the demo.
+# Figures are written by code: re-execute every notebook in place (on a quiet machine: the run's load
+# average goes into each notebook's metadata, and a loaded run writes nothing), then the demo.
 figures: setup
-	for nb in notebooks/0*.ipynb; do \
-		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace "$$nb" || exit 1; done
+	$(PY) -m kvlearn record
 	$(PY) -m kvlearn demo
 
 clean:

@@ -21,6 +21,7 @@ _EXPORTS = {
     "KVPool": "pool",
     "ModelRunner": "runner",
     "Engine": "serving.engine",
+    "EngineConfig": "serving.config",
 }
 
 __all__ = sorted(_EXPORTS)

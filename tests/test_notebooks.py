@@ -58,3 +58,28 @@ def test_ignored_outputs_are_few_justified_and_asserted(path):
             f"code cell {i + 1}: say why its output is ignored in a comment under the marker"
         checked = cells[i].source + (cells[i + 1].source if i + 1 < len(cells) else "")
         assert "assert" in checked, f"code cell {i + 1}: assert what matters in it or in the next cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_outputs_come_from_a_quiet_run(path):
+    """`python -m kvlearn record` writes when and how loaded each run was; a run above 0.75 load
+    per core (1.5 on 2 cores) recorded timings that the prose cannot trust."""
+    from kvlearn.workshop.record import quiet
+
+    meta = nbformat.read(path, as_version=4).metadata.get("kvlearn")
+    assert meta, "no metadata.kvlearn: re-execute it with `python -m kvlearn record notebooks/NAME.ipynb`"
+    assert {"executed", "load_before", "load_after", "cores", "plain_read_gb_s"} <= set(meta)
+    for key in ("load_before", "load_after"):
+        assert quiet(meta[key], meta["cores"]), f"executed at {key} {meta[key]} on {meta['cores']} cores: re-record it"
+
+
+def test_record_refuses_a_loaded_machine_and_writes_nothing(tmp_path, monkeypatch):
+    from kvlearn.workshop import record
+
+    nb = tmp_path / "00_x.ipynb"
+    nb.write_text(nbformat.writes(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])))
+    before = nb.read_text()
+    monkeypatch.setattr(record, "load_average", lambda: 9.0)
+    line = record.record(nb)
+    assert "not run, load 9.0" in line and nb.read_text() == before
+    assert record.quiet(1.5, 2) and not record.quiet(1.51, 2)

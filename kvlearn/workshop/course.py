@@ -54,15 +54,16 @@ def chapter_notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
     return paths
 
 
-def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None) -> ChapterRun:
+def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None, nb=None) -> ChapterRun:
     """Execute one notebook in a fresh kernel, started in the notebook's folder; never raises for
     a failing cell, a cell that runs over `timeout` seconds or a dead kernel (the run records it and
-    stops that chapter)."""
+    stops that chapter). `nb`: the notebook read from `path`, to keep its new outputs (else it is
+    read here and the outputs are dropped)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(path, as_version=4) if nb is None else nb
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     run = ChapterRun(path.stem, cells=len(code))
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",

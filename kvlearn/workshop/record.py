@@ -1,0 +1,84 @@
+"""`python -m kvlearn record [NOTEBOOK ...]`: re-execute chapter notebooks in place, on a quiet machine.
+
+The committed outputs are course material that strict nbval re-checks and that the prose reads
+from, so they must come from a quiet run: timings taken beside other jobs contradict the text. Each
+notebook runs top to bottom in a fresh kernel (as `course` runs it); if every cell passed and the
+load average stayed at or below `MAX_LOAD_PER_CORE` per core, the notebook is written back with
+`metadata.kvlearn`: when it ran, the load average before and after, the cores, and the plain-read
+bandwidth measured just before (the yardstick that the course's speed figures are read against).
+A loaded or failed run writes nothing. `tests/test_notebooks.py` refuses a committed notebook
+whose record is missing or loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvlearn.workshop.course import chapter_notebooks, run_notebook
+
+MAX_LOAD_PER_CORE = 0.75  # 1.5 on the course's 2-core machines
+
+
+def load_average() -> float:
+    """The one-minute load average."""
+    return round(os.getloadavg()[0], 2)
+
+
+def plain_read_gb_s(nbytes: int = 256 * 2 ** 20, rounds: int = 5) -> float:
+    """Best bandwidth of a plain `sum` over `nbytes` of float32 (the memory, not a cache, for the
+    default size): what any weight-reading step is measured against."""
+    import torch
+
+    block = torch.ones(nbytes // 4, dtype=torch.float32)
+    block.sum().item()  # touched before timing
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        block.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return round(nbytes / best / 1e9, 1)
+
+
+def quiet(load: float, cores: int | None = None) -> bool:
+    return load <= MAX_LOAD_PER_CORE * (cores or os.cpu_count() or 1)
+
+
+def record(path: Path, timeout: int = 600) -> str:
+    """Execute one notebook and write it back with its record; returns what happened, in a line."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    cores, before, bandwidth = os.cpu_count(), load_average(), plain_read_gb_s()
+    if not quiet(before, cores):
+        return f"{path.name}: not run, load {before} on {cores} cores (above {MAX_LOAD_PER_CORE} per core): wait for a quiet machine"
+    run = run_notebook(path, timeout, nb=nb)
+    after = load_average()
+    if not run.passed:
+        return f"{path.name}: FAIL {run.error}; nothing written"
+    if not quiet(after, cores):
+        return f"{path.name}: ran, but the load rose to {after} on {cores} cores; nothing written"
+    nb.metadata["kvlearn"] = {"executed": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                              "load_before": before, "load_after": after, "cores": cores,
+                              "plain_read_gb_s": bandwidth}
+    nbformat.write(nb, path)
+    return f"{path.name}: recorded in {run.seconds:.1f} s, load {before} -> {after}, plain read {bandwidth} GB/s"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlearn record", description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="notebooks to record (default: every chapter)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may take (default 600)")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or chapter_notebooks()
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if missing:
+        parser.error(f"no such notebook: {', '.join(missing)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    lines = [record(Path(p), args.timeout) for p in paths]
+    print("\n".join(lines))
+    return 0 if all(": recorded" in line for line in lines) else 1
