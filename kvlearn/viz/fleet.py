@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlearn.viz import draw_radix
+from kvlearn.viz.radix import draw_radix
 
 
 def replica_trees(caches, tokenizer=None, width: int = 12) -> list:
