@@ -222,12 +222,17 @@ class ReqToTokenPool:
     def num_free(self) -> int:
         return len(self._free_rows)
 
-    def alloc(self) -> int:
-        """A free row for a new request (its length starts at 0)."""
+    def alloc(self, slots: torch.Tensor | None = None) -> int:
+        """A free row for a new request, holding `slots` from token 0 (none: its length starts at 0).
+        The slots are checked before the row is taken: on an error nothing changed."""
         if not self._free_rows:
             raise KVCapacityError(f"All {len(self.lengths)} request rows are in use: free a finished request first.")
+        slots = None if slots is None else self._as_slots(slots, self._free_rows[-1], 0)
         row = self._free_rows.pop()
         self._live[row] = True
+        if slots is not None:
+            self.req_to_token[row, :len(slots)] = slots
+            self.lengths[row] = len(slots)
         return row
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
@@ -237,15 +242,20 @@ class ReqToTokenPool:
         if not 0 <= start <= self.lengths[row]:
             raise ValueError(f"start={start} must be between 0 and the row's length {self.lengths[row]}: "
                              "a row has no holes.")
+        slots = self._as_slots(slots, row, start)
+        end = start + slots.numel()
+        self.req_to_token[row, start:end] = slots
+        self.lengths[row] = end
+
+    def _as_slots(self, slots, row: int, start: int) -> torch.Tensor:
+        """`slots` as a 1-D int64 tensor on the table's device, if row `row` has room for them from `start`."""
         if not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64 and slots.dim() == 1
                 and slots.device == self.device):
             slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
-        end = start + slots.numel()
-        if end > self.max_context_len:
-            raise ValueError(f"Request row {row} would hold {end} tokens, more than max_context_len="
-                             f"{self.max_context_len}.")
-        self.req_to_token[row, start:end] = slots
-        self.lengths[row] = end
+        if start + slots.numel() > self.max_context_len:
+            raise ValueError(f"Request row {row} would hold {start + slots.numel()} tokens, more than "
+                             f"max_context_len={self.max_context_len}.")
+        return slots
 
     def slots(self, row: int) -> torch.Tensor:
         """The slots of the request's tokens so far, in token order (a view into the table)."""

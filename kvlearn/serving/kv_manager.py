@@ -145,13 +145,7 @@ class KVManager(ABC):
 
     def _open_row(self, req: Request, slots: torch.Tensor, prefix_len: int, last_node=None) -> None:
         """Record the request's slots in a fresh row (the caller checked a row is free)."""
-        row = self.rows.alloc()
-        try:
-            self.rows.write(row, 0, slots)
-        except BaseException:
-            self.rows.free(row)
-            raise
-        req.kv = KVHandle(row, len(slots), prefix_len, last_node)
+        req.kv = KVHandle(self.rows.alloc(slots), len(slots), prefix_len, last_node)
 
     def _close_row(self, req: Request) -> None:
         self.rows.free(req.kv.row)
