@@ -6,7 +6,8 @@ free (a request, the prefix cache) is its caller's business.
 
 Kept on tensors so that taking or returning many pages is one tensor operation, not a Python loop:
 a stack of free page ids (the top at the end: a page freed last is handed out first, likely still
-warm in the CPU cache) and a free flag per page.
+warm in the CPU cache, as in SGLang's `PagedTokenToKVPoolAllocator`; vLLM and nano-vllm use a queue)
+and a free flag per page.
 
 Invariant: a page is in the stack exactly when its flag is set; `alloc` and `free` check their
 arguments before they change anything, so a refused call leaves the allocator as it was.

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvlearn.routing.cli import main as route
 from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
                                       RoundRobin, RouterView, make_policy, page_hashes)
 from kvlearn.routing.traces import (TraceError, TraceRequest, multi_tenant_trace, read_trace, tenant_of,
@@ -168,6 +169,53 @@ def test_prefix_hash_moves_few_prefixes_when_a_replica_joins():
     assert moved < 0.25 and all(a == 8 for b, a in zip(before, after) if b != a)   # only to the new one
 
 
+def owner_of(prompt, n):
+    """The ring's replica for `prompt` when nobody is busy."""
+    return PrefixHash(n).choose(req(prompt), view(n))
+
+
+def loads_with(owner, owner_load, others, n):
+    return [owner_load if i == owner else others.pop(0) for i in range(n)]
+
+
+def test_prefix_hash_load_bound_is_sglangs_rule():
+    # SGLang's own example: 100 requests in flight on 4 workers, load_factor 1.25: the bound is
+    # 1.25 x (100 + 1) / 4 = 31.56; a worker with 30 keeps the request, one with 35 loses it
+    prompt = [5, 6, 7]
+    owner = owner_of(prompt, 4)
+    p = PrefixHash(4)
+    kept = loads_with(owner, 30, [30, 30, 10], 4)
+    assert p.choose(req(prompt), view(4, inflight=kept)) == owner
+    moved = loads_with(owner, 35, [30, 30, 5], 4)
+    assert p.choose(req(prompt), view(4, inflight=moved)) == moved.index(5)   # the least loaded
+    assert p.decisions == {"ring": 1, "load_bound": 1}
+    # the comparison is <=: a load exactly at the bound (1.0 x (2+2+2+1 + 1) / 4 = 2) stays
+    assert PrefixHash(4, load_factor=1.0).choose(req(prompt), view(4, inflight=loads_with(owner, 2, [2, 2, 1], 4))) == owner
+
+
+def test_prefix_hash_bound_sends_a_request_away_from_an_overloaded_replica_unbounded_does_not():
+    prompt = [1, 2, 3, 4]
+    owner = owner_of(prompt, 8)
+    busy = loads_with(owner, 12, [3, 2, 4, 1, 3, 2, 0], 8)      # 27 in flight: bound 1.25 x 28 / 8 = 4.4
+    assert PrefixHash(8).choose(req(prompt), view(8, inflight=busy)) == busy.index(0)
+    for unbounded in (None, float("inf")):
+        assert PrefixHash(8, load_factor=unbounded).choose(req(prompt), view(8, inflight=busy)) == owner
+    # ties among the replicas within the bound: fewer outstanding tokens, then the lowest index
+    tied = loads_with(owner, 12, [1] * 7, 8)
+    outstanding = [100] * 8
+    far = (owner + 3) % 8
+    outstanding[far] = 5
+    assert PrefixHash(8).choose(req(prompt), view(8, inflight=tied, outstanding=outstanding)) == far
+    # every replica over the bound (possible only with load_factor < 1): the owner keeps it
+    assert PrefixHash(8, load_factor=0.5).choose(req(prompt), view(8, inflight=[4] * 8)) == owner
+
+
+def test_prefix_hash_rejects_bad_load_factors():
+    for bad in (0, -1.25, float("nan")):
+        with pytest.raises(ValueError, match="load_factor must be > 0"):
+            make_policy("prefix_hash", 4, load_factor=bad)
+
+
 def test_page_hashes_name_whole_prefixes():
     a, b = page_hashes([1, 2, 3, 4, 5, 6, 7], 2), page_hashes([1, 2, 3, 4, 9, 9], 2)
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
@@ -264,3 +312,22 @@ def test_make_policy_names_and_errors():
         make_policy("cache_aware", 4, cache_threshold=2)
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         make_policy("exact", 4, balance_rel_threshold=0.5)
+
+
+# --- python -m kvlearn route --load-factor ----------------------------------------------------------
+
+def test_route_load_factor_reaches_prefix_hash(capsys):
+    def moved(*extra):
+        assert route(["--generate", "120", "--tenants", "2", "--hot-tenant", "0.9", "--rate", "200", "--replicas", "4",
+                      "--policy", "prefix_hash", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["decisions"]["load_bound"]
+    assert moved() > 0 and moved("--load-factor", "1.25") == moved()
+    assert moved("--load-factor", "inf") == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "many"])
+def test_route_rejects_bad_load_factors(value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        route(["--generate", "10", "--policy", "prefix_hash", "--load-factor", value])
+    assert stop.value.code == 2
+    assert f"argument --load-factor: must be a number > 0 (inf: unbounded), got '{value}'" in capsys.readouterr().err

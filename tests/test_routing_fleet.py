@@ -126,12 +126,13 @@ def test_cache_aware_beats_load_balancing_on_hit_rate(multi_tenant):
         assert r.computed_prefill_tokens >= r.unique_token_floor
 
 
-def test_hot_tenant_affinity_without_thresholds_piles_up_and_thresholds_fix_it():
+def test_hot_tenant_affinity_without_bounds_piles_up_and_bounds_fix_it():
     trace = multi_tenant_trace(1500, num_tenants=32, rate=40, hot_tenant_share=0.5, seed=0)
     run = lambda policy, **kw: simulate_fleet(trace, policy, 8, slots_per_replica=8192, time_model=TM, **kw)
-    least, hashed, aware = run("least_load"), run("prefix_hash"), run("cache_aware")
-    greedy = run("cache_aware", balance_abs_threshold=10**9)
+    least, hashed, aware = run("least_load"), run("prefix_hash", load_factor=None), run("cache_aware")
+    greedy, bounded = run("cache_aware", balance_abs_threshold=10**9), run("prefix_hash")
     assert hashed.load_imbalance > 2 and greedy.load_imbalance > 1.5 * aware.load_imbalance
+    assert bounded.load_imbalance <= least.load_imbalance + 0.3 and bounded.ttft_p99_s < hashed.ttft_p99_s
     assert aware.load_imbalance <= least.load_imbalance + 0.3
     assert aware.hit_rate > least.hit_rate + 0.15
     assert aware.ttft_p99_s < greedy.ttft_p99_s

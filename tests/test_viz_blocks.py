@@ -7,6 +7,7 @@ import pytest
 from kvlearn import BlockManager, Sequence
 from kvlearn.blocks import short_hash
 from kvlearn.viz import blocks_text, draw_blocks
+from kvlearn.viz.palette import STATES
 
 
 @pytest.fixture
@@ -55,9 +56,9 @@ def test_graph_has_one_edge_per_table_entry_and_colours_by_state(state):
         for i, block_id in enumerate(s.block_table):
             assert f"seq{s.seq_id}:l{i}:e -> pool:p{block_id}:w" in src
     assert src.count(" -> ") == 6
-    assert 'PORT="p2" BGCOLOR="#f9cb9c"' in src           # shared
-    assert 'PORT="p0" BGCOLOR="#d9f0d3"' in src           # freed, still cached
-    assert 'PORT="p5" BGCOLOR="white"' in src             # free
+    assert f'PORT="p2" BGCOLOR="{STATES["shared"]}"' in src     # shared
+    assert f'PORT="p0" BGCOLOR="{STATES["cached"]}"' in src     # freed, still cached
+    assert f'PORT="p5" BGCOLOR="{STATES["free"]}"' in src       # free
     assert draw_blocks(m, [a, b]).source == src           # same state, same picture
 
 
@@ -82,7 +83,7 @@ def test_an_unpublished_duplicate_goes_back_as_a_plain_free_page():
     assert f"    0    0  cached  {h:<6}  1 2" in lines
     assert m.blocks[2].hash is None and not any(line.startswith("    2 ") for line in lines)  # F's copy forgot
     assert lines[-1] == "free list (handed out first -> last): [2, 3, 1, 0]"
-    assert "BGCOLOR=\"white\"" in draw_blocks(m, []).source.split('PORT="p2"')[1][:30]
+    assert f'BGCOLOR="{STATES["free"]}"' in draw_blocks(m, []).source.split('PORT="p2"')[1][:30]
 
 
 class LetterTokenizer:

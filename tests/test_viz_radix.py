@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvlearn import RadixCache, viz
+from kvlearn.viz.palette import STATES
 
 
 class CharTokenizer:
@@ -47,7 +48,7 @@ def test_picture_is_deterministic_and_renders():
     g1, g2 = viz.draw_radix(small_tree()), viz.draw_radix(small_tree())
     assert g1.source == g2.source
     assert 'n2 -> n4' in g1.source and "[1 2 3]" in g1.source
-    assert g1.source.count("#cfe2f3") == 4  # root, #2 and #4 are locked, plus the legend
+    assert g1.source.count(STATES["locked"]) == 4  # root, #2 and #4 are locked, plus the legend
     assert "<svg" in g1.pipe(format="svg", encoding="utf-8")
 
 

@@ -160,14 +160,20 @@ def describe_efficiency(e: dict) -> str:
 
 
 def plot_throughput(by_batch: dict[int, float]):
-    """Decode tokens/s against batch size (matplotlib figure)."""
+    """Decode tokens/s against batch size (matplotlib figure). Both axes are linear, so a
+    straight line is throughput growing in proportion to the batch; the dashed line is that
+    proportional growth from the smallest batch, for comparison."""
     import matplotlib.pyplot as plt
 
     sizes = sorted(by_batch)
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    ax.plot(sizes, [by_batch[b] for b in sizes], marker="o")
-    ax.set_xscale("log", base=2)
+    ax.plot(sizes, [by_batch[b] for b in sizes], marker="o", label="measured")
+    ax.plot(sizes, [by_batch[sizes[0]] * b / sizes[0] for b in sizes], linestyle="--", color="grey",
+            label="in proportion to the batch")
+    ax.set_xlim(0, sizes[-1] * 1.05)
+    ax.set_ylim(0, None)
     ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.legend(fontsize=8)
     ax.set_xlabel("sequences decoded in one packed forward")
     ax.set_ylabel("decode tokens / s")
     ax.set_title("paged decode throughput against batch size")

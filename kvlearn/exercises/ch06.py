@@ -54,7 +54,7 @@ THEOREM_CHOICES = {
 
 
 def theorem_workload():
-    """Exercise 4's workload: the notebook's 18 few-shot requests."""
+    """Exercise 3's workload: the notebook's 18 few-shot requests (`few`)."""
     from kvlearn.model import load_tokenizer
     from kvlearn.serving.workloads import make_workload
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from kvlearn.errors import KVCapacityError, check_positive_int
@@ -58,13 +59,29 @@ def parser() -> argparse.ArgumentParser:
     knobs.add_argument("--balance-abs-threshold", type=float)
     knobs.add_argument("--balance-rel-threshold", type=float)
     knobs.add_argument("--max-tree-pages", type=int, help="cache_aware: pages per replica's approximate tree")
+    p.add_argument_group("prefix_hash knob").add_argument(
+        "--load-factor", type=_load_factor, help="move a request off its ring replica when that one has more than "
+                                                "this times the average requests in flight (default 1.25; inf: never)")
     p.add_argument("--json", action="store_true", help="one JSON object per policy, one per line")
     p.add_argument("--calibrate", action="store_true", help="time the real model and write a time model (to "
                                                             "--time-model, default time_model.json)")
     return p
 
 
+def _load_factor(text: str) -> float:
+    """`--load-factor`: a number > 0; inf for an unbounded prefix_hash."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: unbounded), got {text!r}")
+    return value
+
+
 def _policy_options(args, policy: str) -> dict:
+    if policy == "prefix_hash":
+        return {} if args.load_factor is None else {"load_factor": args.load_factor}
     if policy not in ("cache_aware", "exact"):
         return {}
     options = {name: getattr(args, name) for name in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")

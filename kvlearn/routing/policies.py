@@ -9,7 +9,8 @@ index; `routed(req, replica)` tells the policy where the request went.
 - least_load: power of two choices (Mitzenmacher 2001): two random replicas, the one with fewer
   outstanding tokens;
 - prefix_hash: consistent hashing of the prompt's first `prefix_tokens` tokens onto a ring of
-  virtual nodes, so the same prefix always lands on the same replica;
+  virtual nodes, so the same prefix lands on the same replica, unless that replica has more than
+  `load_factor` times the average requests in flight: then the least loaded (SGLang's bound);
 - cache_aware: SGLang's router. An approximate tree of prefixes per replica, kept from the
   router's own decisions and bounded by LRU. If the fleet is imbalanced (busiest - idlest >
   balance_abs_threshold and busiest > balance_rel_threshold * idlest, in requests), the least
@@ -23,6 +24,7 @@ index; `routed(req, replica)` tells the policy where the request went.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import sys
 from collections import OrderedDict
@@ -108,22 +110,42 @@ class LeastLoad(Policy):
 class PrefixHash(Policy):
     """Consistent hashing: each replica owns `virtual_nodes` points of a ring; a prompt goes to the
     owner of the first point at or after the hash of its first `prefix_tokens` tokens. Adding or
-    removing a replica moves only the prefixes next to its points."""
+    removing a replica moves only the prefixes next to its points.
+
+    Bounded load, as SGLang's `prefix_hash.rs`: a replica is overloaded when its requests in flight
+    exceed `load_factor` x (all requests in flight + 1) / replicas (the +1 counts the request being
+    routed). An overloaded owner loses the request to the least loaded replica that is not
+    overloaded (ties: fewer outstanding tokens, then the lowest index); if every replica is
+    overloaded, the owner keeps it. load_factor None or inf: unbounded, the owner always keeps it.
+    `decisions` counts requests kept by their owner ("ring") and moved by the bound ("load_bound").
+    """
 
     name = "prefix_hash"
 
-    def __init__(self, num_replicas: int, prefix_tokens: int = 256, virtual_nodes: int = 64):
+    def __init__(self, num_replicas: int, prefix_tokens: int = 256, virtual_nodes: int = 64,
+                 load_factor: float | None = 1.25):
+        load_factor = math.inf if load_factor is None else load_factor
+        if not load_factor > 0:   # also refuses nan
+            raise ValueError(f"load_factor must be > 0 (None or inf: unbounded), got {load_factor}.")
         # hashes of tuples of ints do not depend on PYTHONHASHSEED: the ring is the same every run
         points = sorted((hash((replica, v, 0x9E3779B9)), replica)
                         for replica in range(num_replicas) for v in range(virtual_nodes))
         self.ring_keys = [key for key, _ in points]
         self.ring_owners = [owner for _, owner in points]
         self.prefix_tokens = prefix_tokens
+        self.load_factor = load_factor
+        self.decisions = {"ring": 0, "load_bound": 0}
 
     def choose(self, req, view):
         key = hash(tuple(req.prompt_ids[:self.prefix_tokens]))
-        at = bisect.bisect_left(self.ring_keys, key) % len(self.ring_keys)
-        return self.ring_owners[at]
+        owner = self.ring_owners[bisect.bisect_left(self.ring_keys, key) % len(self.ring_keys)]
+        bound = self.load_factor * (sum(view.inflight) + 1) / view.num_replicas
+        within = [i for i in range(view.num_replicas) if view.inflight[i] <= bound]
+        if owner in within or not within:
+            self.decisions["ring"] += 1
+            return owner
+        self.decisions["load_bound"] += 1
+        return view.least_loaded(within)
 
 
 def page_hashes(token_ids: list[int], page_size: int, h: int = 0) -> list[int]:

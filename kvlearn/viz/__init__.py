@@ -11,6 +11,8 @@ always gives the same picture and the same text. One module per structure:
     teaching  small matplotlib pictures of chapters 0, 2, 3, 5 and 6
     plots     where figures are written (`figures_dir`, `save_figure`)
     text      the text helpers they share (tokens, slot runs, legends, indented trees)
+    palette   one colour per state (free, new, cached, locked, split, device, host, disk, ...),
+              the same in every picture
 
 graphviz and matplotlib are imported only inside the functions that draw: importing this package
 (for `figures_dir`, or the text renderers) needs neither.

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 from kvlearn.blocks import short_hash
 from kvlearn.sequence import shorten
+from kvlearn.viz.palette import INK, legend, owner_color
 from kvlearn.viz.text import elide, legend_table
 
 if TYPE_CHECKING:
     import graphviz
 
-# Fill colours of a physical block by state: the same four states in picture and text.
-_BLOCK_COLORS = {"free": "white", "cached": "#d9f0d3", "in use": "#cfe2f3", "shared": "#f9cb9c"}
-_SEQ_EDGE_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"]
+# Fill colours of a physical block by state (the course's palette): the same four states in picture and text.
+_BLOCK_COLORS = legend("free", "cached", "in use", "shared")
 
 
 def _block_state(manager, block) -> str:
@@ -69,14 +69,14 @@ def blocks_text(manager, seqs, tokenizer=None, width: int = 96) -> str:
 
 def _html_table(title: str, rows: list[str]) -> str:
     return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="4">'
-            f'<TR><TD BGCOLOR="#eeeeee">{title}</TD></TR>{"".join(rows)}</TABLE>>')
+            f'<TR><TD BGCOLOR="{INK["header"]}">{title}</TD></TR>{"".join(rows)}</TABLE>>')
 
 
 def draw_blocks(manager, seqs) -> graphviz.Digraph:
     """Logical blocks of each sequence (left) pointing at the physical blocks (right).
 
-    Physical blocks are coloured by state: free (white), freed but still cached (green),
-    in use by one sequence (blue), shared by several (orange).
+    Physical blocks are coloured by state (kvlearn.viz.palette): free (white), freed but still
+    cached (green), in use by one sequence (blue), shared by several (orange).
     """
     import graphviz
 
@@ -87,7 +87,7 @@ def draw_blocks(manager, seqs) -> graphviz.Digraph:
                 for i in range(len(seq.block_table))]
         title = f"<B>seq {seq.seq_id}</B> ({seq.num_cached_tokens}/{seq.num_tokens} cached)"
         g.node(f"seq{seq.seq_id}", _html_table(title, rows))
-        color = _SEQ_EDGE_COLORS[k % len(_SEQ_EDGE_COLORS)]
+        color = owner_color(k)
         for i, block_id in enumerate(seq.block_table):
             g.edge(f"seq{seq.seq_id}:l{i}:e", f"pool:p{block_id}:w", color=color)
     rows = []

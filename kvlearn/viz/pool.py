@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlearn.viz.palette import INK, STATES, owner_color
+
 
 def _slot_owners(pool, owners: dict) -> list[int]:
     """Per slot: -1 free, -2 allocated but not named in `owners`, else the owner's position."""
@@ -40,7 +42,8 @@ def pool_text(pool, owners: dict, width: int = 32) -> str:
 
 def draw_pool(pool, owners: dict, max_layers: int = 3):
     """The pool as a grid (matplotlib figure): a row for K and a row for V of each layer, a column
-    per slot, coloured by owner. A token's slot is one column: the same index in every layer."""
+    per slot, coloured by owner (free: white, held by nobody named: grey). A token's slot is one
+    column: the same index in every layer."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
@@ -48,7 +51,7 @@ def draw_pool(pool, owners: dict, max_layers: int = 3):
     layers = min(pool.num_layers, max_layers)
     row = [{-1: 0, -2: 1}.get(m, m + 2) for m in marks]  # 0 free, 1 unnamed, 2.. owners
     grid = [row] * (2 * layers)
-    colours = ["#f4f4f4", "#9e9e9e"] + [plt.cm.tab10(k % 10) for k in range(len(owners))]
+    colours = [STATES["free"], INK["held by others"]] + [owner_color(k) for k in range(len(owners))]
     fig, ax = plt.subplots(figsize=(max(6, pool.num_slots * 0.22), 0.45 * len(grid) + 1.2))
     ax.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1, aspect="auto")
     ax.set_yticks(range(len(grid)), [f"layer {r // 2} {'KV'[r % 2]}" for r in range(len(grid))])
@@ -71,10 +74,11 @@ def draw_pool(pool, owners: dict, max_layers: int = 3):
 
 
 def draw_slot_reads(metadata, names: list[str], num_slots: int | None = None):
-    """Which pool slots each sequence of one packed step reads (light) and writes (dark), from its
-    `AttentionMetadata` (matplotlib figure, one row per sequence, one column per slot)."""
+    """Which pool slots each sequence of one packed step reads (cached: green) and writes (new:
+    pink), from its `AttentionMetadata` (matplotlib figure, one row per sequence, one column per slot)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
 
     if len(names) != len(metadata.kv_lens):
         raise ValueError(f"Give one name per sequence: {len(metadata.kv_lens)} sequences, {len(names)} names.")
@@ -89,11 +93,12 @@ def draw_slot_reads(metadata, names: list[str], num_slots: int | None = None):
         start += q
     grid[written] = 2
     fig, ax = plt.subplots(figsize=(min(12, max(6, width * 0.22)), 0.5 * len(names) + 1.3))
-    ax.imshow(grid, cmap=ListedColormap(["#f4f4f4", "#9ecae1", "#08519c"]), vmin=0, vmax=2, aspect="auto")
+    colours = [STATES["free"], STATES["cached"], STATES["new"]]
+    ax.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=2, aspect="auto")
     ax.set_yticks(range(len(names)), names)
-    ax.set_xticks(range(0, width, max(1, width // 16)))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # as many slot labels as fit the width
     ax.set_xlabel("pool slot")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#9ecae1", "#08519c")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours[1:]]
     ax.legend(handles, ["read (cached context)", "written and read (new tokens)"], loc="upper left",
               bbox_to_anchor=(1.01, 1), frameon=False)
     ax.set_title("one packed step: the slots each sequence's attention touches")

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvlearn.viz.palette import INK, legend
 from kvlearn.viz.text import edge_tokens, graphviz_escape, legend_table, slot_ranges, tree_lines
 
 if TYPE_CHECKING:
     import graphviz
 
-# Fill colours of a tree node: its state, or what the step just recorded did to it.
-_RADIX_COLORS = {"evictable": "white", "locked": "#cfe2f3", "new": "#d9f0d3", "split": "#fff2cc",
-                 "evicted": "#eeeeee"}
+# Fill colours of a tree node (the course's palette): its state, or what the step just recorded did to it.
+_RADIX_COLORS = legend("evictable", "locked", "new", "split", "evicted")
 
 
 class _NodeView(NamedTuple):
@@ -96,7 +96,7 @@ def _radix_graph(title: list[str], views, tokenizer=None, marks=None, ghosts=(),
         for v in kids:
             bold = v.id in path
             g.edge(f"n{parent}", f"n{v.id}", label=" " + graphviz_escape(edge_tokens(v.key, tokenizer, width)),
-                   color="#d62728" if bold else "black", penwidth="2.5" if bold else "1",
+                   color=INK["path"] if bold else "black", penwidth="2.5" if bold else "1",
                    style="dashed" if marks.get(v.id) == "evicted" else "solid")
     g.node("legend", f"<{legend_table(_RADIX_COLORS)}>", shape="plaintext", style="", fontsize="9")
     return g

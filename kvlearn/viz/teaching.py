@@ -1,10 +1,13 @@
-"""Small teaching pictures for chapters 0, 2, 5 and 6 (matplotlib figures, saved with
+"""Small teaching pictures for chapters 0, 2, 3, 5 and 6 (matplotlib figures, saved with
 `kvlearn.viz.plots.save_figure`): what a cache saves, a packed step's mask, the free-block queue
-over time, and a requests x steps timeline of the engine."""
+over time, a requests x steps timeline of the engine, reuse against block size, and what a cache is
+worth on each workload. Colours come from `kvlearn.viz.palette`."""
 
 from __future__ import annotations
 
 import torch
+
+from kvlearn.viz.palette import INK, MASK, REQUESTS, STATES
 
 
 def _grid(ax, grid, colors, labels, title):
@@ -14,7 +17,7 @@ def _grid(ax, grid, colors, labels, title):
 
     ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto")
     ax.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, ec="#999") for c in colors]
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=c, ec=INK["edge"]) for c in colors]
     return handles, labels
 
 
@@ -34,7 +37,8 @@ def draw_kv_reuse(num_prompt: int, num_new: int):
             grid[s, first_new:seen] = 2    # computed in this pass
         panels.append(grid)
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.28 * steps + 1.6), sharey=True)
-    colors, labels = ["#ffffff", "#9ecae1", "#d6604d"], ["not yet", "read from the cache", "K and V computed"]
+    colors = [STATES["free"], STATES["cached"], STATES["new"]]
+    labels = ["not yet", "read from the cache", "K and V computed"]
     for ax, grid, title in zip(axes, panels, ("without a cache", "with a KV cache")):
         handles, names = _grid(ax, grid, colors, labels, title)
         ax.set_xlabel("token position")
@@ -56,7 +60,7 @@ def draw_packed_mask(metadata, names: list[str]):
     mask = metadata.mask.reshape(len(kv_lens), -1, metadata.mask.shape[-1]).cpu()
     rows, cols = max(query_lens), mask.shape[-1]
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1.5, 0.3 * rows + 1.6), squeeze=False)
-    colors, labels = ["#bdbdbd", "#ffffff", "#3182bd"], ["padding", "hidden (future)", "may attend"]
+    colors, labels = list(MASK.values()), list(MASK)
     for ax, b, name in zip(axes[0], range(len(names)), names):
         grid = torch.zeros(rows, cols, dtype=torch.int64)
         q, n = query_lens[b], kv_lens[b]
@@ -78,8 +82,8 @@ def draw_free_queue(snapshots: list[tuple[str, list[int], list[int]]]):
     width = max(len(free) + len(cached) for _, free, cached in snapshots)
     fig, ax = plt.subplots(figsize=(0.55 * width + 3, 0.55 * len(snapshots) + 1.2))
     for row, (label, free, cached) in enumerate(snapshots):
-        for col, (block, color) in enumerate([(b, "#ffffff") for b in free] + [(b, "#b7e1a1") for b in cached]):
-            ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, fc=color, ec="#555"))
+        for col, (block, color) in enumerate([(b, STATES["free"]) for b in free] + [(b, STATES["cached"]) for b in cached]):
+            ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, fc=color, ec=INK["edge"]))
             ax.text(col + 0.47, row + 0.45, str(block), ha="center", va="center")
     ax.set_xlim(0, width)
     ax.set_ylim(len(snapshots), 0)
@@ -88,7 +92,7 @@ def draw_free_queue(snapshots: list[tuple[str, list[int], list[int]]]):
     ax.set_xlabel("handed out first  →  last")
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
-    handles = [plt.Rectangle((0, 0), 1, 1, fc=c, ec="#555") for c in ("#ffffff", "#b7e1a1")]
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=STATES[s], ec=INK["edge"]) for s in ("free", "cached")]
     ax.legend(handles, ["free page", "cached (evicted when taken)"], loc="upper left",
               bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
@@ -116,7 +120,7 @@ def draw_timeline(reports, num_requests: int):
     import matplotlib.pyplot as plt
 
     grid = timeline(reports, num_requests)
-    colors = ["#f0f0f0", "#d6604d", "#4393c3", "#fdb863", "#000000", "#ffffff"]
+    colors = [REQUESTS[state] for state in TIMELINE_STATES]
     fig, ax = plt.subplots(figsize=(0.4 * len(reports) + 3, 0.45 * num_requests + 1.3))
     handles, labels = _grid(ax, grid, colors, list(TIMELINE_STATES), "what each request did at each step")
     ax.set_xticks(range(len(reports)), [str(r.step) for r in reports])
@@ -145,6 +149,32 @@ def plot_reuse_vs_block_size(block_sizes, blocks: dict, radix: dict, total: dict
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.legend(fontsize=7, ncol=1, loc="lower left")
     ax.set_title("Prefix reuse: radix tree (page 1) vs full-block hashes")
+    fig.tight_layout()
+    return fig
+
+
+def plot_workloads(names: list[str], computed_over_floor: dict[str, list[float]],
+                   peak_slots: dict[str, list[int]]):
+    """Chapter 6: per workload (`names`) and cache mode (the dicts' keys), prompt tokens computed
+    over the unique-token floor (left, log scale, bars labelled) and peak KV slots (right). A
+    name's underscores break its tick label into lines, so neighbouring labels never overlap."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x, width = np.arange(len(names)), 0.8 / len(computed_over_floor)
+    ticks = [name.replace("_", "\n") for name in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for k, mode in enumerate(computed_over_floor):
+        offset = (k - (len(computed_over_floor) - 1) / 2) * width
+        bars = ax1.bar(x + offset, computed_over_floor[mode], width, label=mode)
+        ax1.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax2.bar(x + offset, peak_slots[mode], width, label=mode)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("prompt tokens computed / floor (log)")
+    ax2.set_ylabel("peak KV slots of running requests")
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, ticks, fontsize=9)
+        ax.legend()
     fig.tight_layout()
     return fig
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlearn.viz.palette import STATES, legend
 from kvlearn.viz.radix import tree_digraph
 from kvlearn.viz.text import edge_tokens, graphviz_escape, legend_table, tree_lines
 
 if TYPE_CHECKING:
     import graphviz
 
-# Fill colour by the memory tiers holding a node's KV; a node also on disk gets a double border.
-TIER_COLORS = {"device": "#cfe2f3", "device+host": "#d9ead3", "host": "#fff2cc"}
+# Fill colour by the memory tiers holding a node's KV (the course's palette; on both: a gradient of
+# the two); a node also on disk gets a double border in the disk colour.
+TIER_COLORS = legend("device", "device+host", "host")
 
 
 def _memory(tiers: tuple[str, ...]) -> str:
@@ -29,15 +31,15 @@ def tiers_text(cache, tokenizer=None, width: int = 28) -> str:
 
 
 def draw_tiers(cache, tokenizer=None, title: str = "", width: int = 20) -> graphviz.Digraph:
-    """Graphviz picture of a TieredRadixCache: blue on the device, yellow only on the host, green
-    on both; a double border when its pages are also on disk; locked nodes drawn bold."""
+    """Graphviz picture of a TieredRadixCache: purple on the device, teal only on the host, both
+    colours on both; a double brown border when its pages are also on disk; locked nodes drawn bold."""
     g = tree_digraph("tiers", graphviz_escape(title or repr(cache)), ranksep="0.4")
-    g.node(f"n{cache.root.id}", "root", fillcolor="white")
+    g.node(f"n{cache.root.id}", "root", fillcolor=STATES["free"])
     for node in cache.nodes()[1:]:
         tiers = cache.tiers(node)
         g.node(f"n{node.id}", f"#{node.id}  {len(node.key)} tok\\n{' + '.join(tiers)}\\nt={node.last_access}",
-               fillcolor=TIER_COLORS[_memory(tiers)], peripheries="2" if "disk" in tiers else "1",
-               penwidth="2.5" if node.lock_ref else "1")
+               fillcolor=TIER_COLORS[_memory(tiers)], penwidth="2.5" if node.lock_ref else "1",
+               **({"peripheries": "2", "color": STATES["disk"]} if "disk" in tiers else {"peripheries": "1"}))
         label = " " + graphviz_escape(edge_tokens(node.key, tokenizer, width))
         g.edge(f"n{node.parent.id}", f"n{node.id}", label=label)
     note = "double border: also on disk; bold: locked"
