@@ -110,10 +110,10 @@ class BlockManager:
         check_positive_int("block_size", block_size, " (tokens per block)")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable as hash_fn(parent_hash, token_ids), got {hash_fn!r}.")
-        if allocator is not None and (not isinstance(allocator, PageAllocator) or allocator.num_pages != num_blocks
-                                      or allocator.num_free != num_blocks):
-            raise ValueError(f"allocator must be an untouched PageAllocator of {num_blocks} pages (a pool's "
-                             "`allocator`, with pages of block_size slots), got {allocator!r}.")
+        if allocator is not None and (getattr(allocator, "num_pages", None) != num_blocks
+                                      or getattr(allocator, "num_free", None) != num_blocks):
+            raise ValueError(f"allocator must be an untouched page allocator of {num_blocks} pages (a pool's "
+                             f"`allocator`, with pages of block_size slots), got {allocator!r}.")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_fn: HashFn = hash_fn or hash_block_tokens
