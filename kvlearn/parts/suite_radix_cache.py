@@ -38,9 +38,11 @@ HINTS = {
              "evictable is left, and returns the tokens freed.",
     "sizes": "evictable_size + protected_size == total_size: tokens in unlocked nodes, in locked nodes, in all "
              "nodes (chapter 3).",
-    "bad": "bad input (a negative token id, a value whose length is not the key's, unlocking a node that was "
-           "not locked itself) raises ValueError or TypeError before anything changes (RadixCacheBase.as_key "
-           "and as_value check keys and values).",
+    "bad": "bad input (a negative token id, a value whose length is not the key's) raises ValueError or "
+           "TypeError before anything changes (RadixCacheBase.as_key and as_value check keys and values).",
+    "bad_unlock": "unlock(node) of a node that was not locked itself raises ValueError and changes nothing: "
+                  "count the locks taken on exactly this node (TreeNode.own_locks), so unlock can tell; "
+                  "lock_ref also counts the locks of the nodes below.",
 }
 
 
@@ -78,7 +80,8 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
 
     def match(key, name):
         expect_len, expect_slots = ref.match(key)
-        result = trace.call(f"{name} = cache.match_prefix({list(key)})", cache.match_prefix, list(key))
+        result = a_match("match_prefix", trace.call(f"{name} = cache.match_prefix({list(key)})",
+                                                    cache.match_prefix, list(key)))
         got = ints(f"{name}.indices", trace.call(f"{name}.indices", lambda: result.indices, quiet=True))
         length = number(f"len({name})", trace.call(f"len({name})", len, result, quiet=True))
         trace.answer(f"len {length}, indices {got}")
@@ -103,6 +106,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                                  cache.insert_prefix, list(key), value)
                 if not (isinstance(got, tuple) and len(got) == 2):
                     raise Broken(f"insert_prefix must return (int, match), got {got!r}", HINTS["insert_prefix"])
+                a_match("insert_prefix's match", got[1])
                 present, slots = ref.insert(key, value.tolist())
                 same("insert_prefix's length", present, number("insert_prefix's length", got[0]), HINTS["insert"])
                 same(f"{name}.indices", slots, ints(f"{name}.indices", got[1].indices), HINTS["insert_prefix"])
@@ -131,7 +135,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                 same(f"cache.unlocked_on_path({name}.last_node)", expect, got, HINTS["unlocked_on_path"])
             elif op == "bad_unlock" and prefix not in ref.locks:
                 trace.refused(f"cache.unlock({name}.last_node)   # nobody locked it", (ValueError,), cache.unlock,
-                              node, hint=HINTS["bad"])
+                              node, hint=HINTS["bad_unlock"])
         elif op == "unlock" and locks:
             node, prefix, name = locks.pop(rng.randrange(len(locks)))
             trace.call(f"cache.unlock({name}.last_node)", cache.unlock, node)
@@ -166,6 +170,15 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         else:
             continue
         check_sizes(cache, ref, trace)
+
+
+def a_match(what: str, got):
+    """`got` if it looks like a MatchResult (`.indices`, `.last_node`, `len()`); `Broken` otherwise."""
+    if not all(hasattr(type(got), member) or hasattr(got, member) for member in ("indices", "last_node", "__len__")):
+        raise Broken(f"{what} must return a MatchResult (.indices, .last_node, len()), got {type(got).__name__}",
+                     "return kvlearn.radix.MatchResult(indices, last_node): the slot ids of the matched tokens "
+                     "(a 1-D int64 tensor) and the node where the match ends.")
+    return got
 
 
 def check_sizes(cache, ref: RadixReference, trace: Trace) -> None:
