@@ -6,6 +6,7 @@ The buggy ones inherit the package's classes and break one rule each.
 """
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -350,10 +351,20 @@ def test_an_endless_loop_fails_within_the_time_limit():
 
 
 def test_an_endless_loop_off_the_main_thread_fails_too():
+    released = threading.Event()
+
+    class LoopsUntilReleased(RadixCache):   # released at the end, so no thread keeps spinning
+        def evict(self, num_tokens):
+            while not released.is_set():
+                time.sleep(0.001)
+            return 0
+
     reports = []
-    worker = threading.Thread(target=lambda: reports.append(check("radix_cache", LoopsForever, time_limit_s=0.5)))
+    worker = threading.Thread(target=lambda: reports.append(check("radix_cache", LoopsUntilReleased,
+                                                                  time_limit_s=0.5)))
     worker.start()
     worker.join(30)
+    released.set()
     assert reports and not reports[0].passed and "endless loop" in reports[0].message
 
 

@@ -76,7 +76,7 @@ def contract_members(contract: type) -> list[str]:
                   if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)))
 
 
-def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 150, seed: int = 0) -> CheckReport:
+def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed: int = 0) -> CheckReport:
     """Run the conformance suite of part `name` ("block_manager", "radix_cache" or "allocator") on
     `impl`, the part's class (built with the same arguments as the package's). `time_limit_s`:
     the most all programs may take together (a part still running then fails). Never raises

@@ -163,7 +163,8 @@ class BlockReference:
 
     # --- mutations -------------------------------------------------------------------------------
     def take(self, new: list[int]) -> str | None:
-        """The part gave these blocks for new KV: the rule it broke, or None (and they are taken)."""
+        """The part gave these blocks for new KV (`allocate` and `append` call it): the rule it broke,
+        or None (and they are taken)."""
         if len(set(new)) != len(new):
             return f"it handed out block(s) {sorted(b for b, k in Counter(new).items() if k > 1)} twice"
         busy = [b for b in new if b not in self.free and b not in self.cached]
@@ -188,10 +189,18 @@ class BlockReference:
         self.held.pop(b, None)
         self.hashed.discard(b)
 
-    def allocate(self, seq_id: int, hit: list[int], new: list[int]) -> None:
-        for b in hit:
+    def allocate(self, seq_id: int, hit: list[int], new: list[int]) -> str | None:
+        """`allocate` gave the sequence the `hit` blocks, then `new` ones: the rule it broke, or None."""
+        for b in hit:   # hits are taken before any new block, so no hit is reused for new KV
             self.cached.pop(b, None)
         self.tables[seq_id] = list(hit) + list(new)
+        return self.take(new)
+
+    def append(self, seq_id: int, table: list[int]) -> str | None:
+        """`may_append` grew the sequence's table to `table`: the rule it broke, or None."""
+        new = table[len(self.tables[seq_id]):]
+        self.tables[seq_id] = list(table)
+        return self.take(new)
 
     def publish(self, seq_id: int, tokens: list[int], num_computed: int) -> int:
         """`hash_blocks`: returns how many blocks were hashed now (published or duplicates)."""

@@ -107,10 +107,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                 same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens, HINTS["hit"])
                 same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)], HINTS["hit"])
                 same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["table"])
-                problem = ref.take(table[len(hit):])
+                problem = ref.allocate(s.seq_id, hit, table[len(hit):])
                 if problem:
                     raise Broken(f"m.allocate({name}): {problem}", HINTS["take"])
-                ref.allocate(s.seq_id, hit, table[len(hit):])
                 live.append([s, name, len(hit) * bs])
         elif op == "compute" and live:
             entry = rng.choice(live)
@@ -144,10 +143,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                 same(f"{name}.block_table[:{len(old)}] (unchanged by may_append)", old, table[:len(old)],
                      HINTS["append"])
                 same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["append"])
-                problem = ref.take(table[len(old):])
+                problem = ref.append(s.seq_id, table)
                 if problem:
                     raise Broken(f"m.may_append({name}): {problem}", HINTS["take"])
-                ref.tables[s.seq_id] = table
         elif op == "deallocate" and live:
             release(rng.choice(live))
         elif op == "misuse" and dead:
