@@ -129,7 +129,8 @@ class RadixMachine(RuleBasedStateMachine):
             return
         for node in self.cache.nodes()[1:]:
             prefix = tuple(t for n in self.path(node) for t in n.key)
-            assert node.hits == self.ref.hits[prefix], f"node #{node.id}: {node.hits} hits, reference {self.ref.hits[prefix]}"
+            expect = self.ref.hits[prefix]
+            assert node.hits == expect, f"node #{node.id}: {node.hits} hits, reference {expect}"
 
     @staticmethod
     def path(node):

@@ -11,9 +11,10 @@ one, what was expected and what came back, and a hint in the chapter's words.
 Whatever the part does, `check` returns a report: an exception, an answer of the wrong type, a
 stub (`NotImplementedError`: "Not yet"), or a call that does not come back within the time limit
 each become a failed report. The time limit is a `SIGALRM` timer when `check` runs in the main
-thread (a notebook, a script): it stops a Python loop at its next bytecode, not a long call into
-C (that one is stopped when it returns). Elsewhere the suite runs in a daemon thread that `check`
-waits for; a part stuck in an endless loop then keeps that thread busy until the process ends.
+thread (a notebook, a script) and no other alarm is pending: it stops a Python loop at its next
+bytecode, not a long call into C (that one is stopped when it returns). Otherwise the suite runs in
+a daemon thread that `check` waits for; a part stuck in an endless loop then keeps that thread
+busy until the process ends.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _run(suite: Suite, impl, setup: dict, ops: list, seconds: float) -> tuple[st
 
     if seconds <= 0:
         return "timeout", None, trace
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+    if (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0):   # nobody else's alarm is pending
         def alarm(signum, frame):
             raise _Timeout
 

@@ -31,7 +31,8 @@ HINTS = {
     "lock": "lock(node) adds one to lock_ref of the node and every ancestor up to the root; a node whose "
             "lock_ref goes 0 -> 1 moves its tokens from evictable_size to protected_size, and unlock undoes it. "
             "A split keeps the lower part as the same node object, so a lock held on it stays right.",
-    "unlocked_on_path": "unlocked_on_path(node) counts the tokens from node up to the root in nodes whose lock_ref is 0.",
+    "unlocked_on_path": "unlocked_on_path(node) counts the tokens from node up to the root in nodes whose "
+                        "lock_ref is 0.",
     "evict": "evict(n) frees whole unlocked leaves, least recently used first (a match or insert that walks "
              "through a node makes it recent), handing each leaf's value to evict_callback; a parent left as "
              "an unlocked leaf goes in line too. It stops as soon as n tokens are freed, or when nothing "
