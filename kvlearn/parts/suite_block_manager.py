@@ -42,8 +42,8 @@ HINTS = {
     "capacity": "allocate and may_append raise kvlearn.KVCapacityError when too few blocks are free, before "
                 "changing anything (can_allocate / can_append tell in advance).",
     "misuse": "deallocate, may_append, can_append and hash_blocks raise ValueError for a sequence that is not "
-              "allocated (never, or already deallocated) and change nothing (BlockManagerBase.check_live); "
-              "deallocate empties seq.block_table.",
+              "allocated (never, or already deallocated), allocate for one that is, and they change nothing "
+              "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
     "slots": "slot_mapping(seq, start, end): token position p lives in slot "
              "block_table[p // block_size] * block_size + p % block_size (chapter 1).",
     "evict_cached": "evict_cached forgets every cached block nobody uses, gives them back to the allocator and "
@@ -55,7 +55,7 @@ HINTS = {
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
     setup = {"block_size": rng.choice([1, 2, 2, 3, 4]), "num_blocks": rng.randint(1, 10)}
     kinds = ["allocate", "allocate", "allocate", "compute", "compute", "append", "append", "deallocate",
-             "misuse", "slot_mapping", "evict_cached"]
+             "misuse", "allocate_again", "slot_mapping", "evict_cached"]
     return setup, [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
 
 
@@ -148,6 +148,10 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                     raise Broken(f"m.may_append({name}): {problem}", HINTS["take"])
         elif op == "deallocate" and live:
             release(rng.choice(live))
+        elif op == "allocate_again" and live:
+            s, name, _ = rng.choice(live)
+            trace.refused(f"m.allocate({name})   # already allocated", (ValueError,), m.allocate, s,
+                          hint=HINTS["misuse"])
         elif op == "misuse" and dead:
             s, name, _ = rng.choice(dead)
             call = rng.choice(["deallocate", "may_append", "can_append", "hash_blocks"])

@@ -37,6 +37,9 @@ HINTS = {
              "through a node makes it recent), handing each leaf's value to evict_callback; a parent left as "
              "an unlocked leaf goes in line too. It stops as soon as n tokens are freed, or when nothing "
              "evictable is left, and returns the tokens freed.",
+    "slots": "the tree holds each cached token's slot once: insert stores only the slots of the tokens that "
+             "were not cached yet (the caller frees the others), and an evicted node leaves the tree, its slots "
+             "handed to evict_callback.",
     "sizes": "evictable_size + protected_size == total_size: tokens in unlocked nodes, in locked nodes, in all "
              "nodes (chapter 3).",
     "bad": "bad input (a negative token id, a value whose length is not the key's) raises ValueError or "
@@ -183,6 +186,12 @@ def a_match(what: str, got):
 
 
 def check_sizes(cache, ref: RadixReference, trace: Trace) -> None:
+    """The three sizes, and slot conservation: the tree's nodes hold exactly the reference's slots
+    (every other slot given to insert went back through evict_callback or to the caller)."""
     for size in ("total_size", "protected_size", "evictable_size"):
         got = number(size, trace.call(f"cache.{size}", getattr, cache, size, quiet=True))
         same(f"cache.{size}", getattr(ref, size), got, HINTS["sizes" if size == "total_size" else "lock"])
+    nodes = trace.call("cache.nodes()", cache.nodes, quiet=True)
+    held = sorted(s for node in nodes for s in ints("a node's value", node.value))
+    same("the slots the tree's nodes hold (sorted)", sorted(s for page in ref.slot.values() for s in page), held,
+         HINTS["slots"])
