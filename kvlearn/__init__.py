@@ -28,6 +28,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
+    if name == "parts":   # kvlearn.parts: the learner's parts and their checks
+        return import_module("kvlearn.parts")
     if name in _EXPORTS:
         return getattr(import_module(f"kvlearn.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'kvlearn' has no attribute {name!r}")

@@ -101,8 +101,20 @@ class PrefixCacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-class BlockManager:
-    """Allocates physical blocks to sequences and shares the blocks of common prefixes."""
+class BlockManagerBase:
+    """The bookkeeping around a block manager that chapters 1-2 do not teach: sizes and checks of
+    the constructor's arguments, the `blocks` list, the pool's allocator, the counters, the
+    questions pictures ask (free, cached), and the bad-input checks every method starts with.
+
+    A learner's block manager (`kvlearn.parts.BlockManagerPart`) may inherit from it and write the
+    chapters' part: the hash-chain lookup, allocate / may_append / deallocate, hash_blocks and
+    slot_mapping. It keeps two structures for them to fill:
+    - `cached_blocks`: an OrderedDict of the block ids nobody uses whose prefix can still be hit,
+      least recently freed first (put a block at the end when its last user leaves; take the first
+      to reuse one, through `evict_one`);
+    - `live_seqs`: the seq_ids that hold a block table from this manager (add in `allocate`,
+      discard in `deallocate`); `check_new` and `check_live` read it.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_fn: HashFn | None = None, allocator: PageAllocator | None = None):
@@ -110,10 +122,10 @@ class BlockManager:
         check_positive_int("block_size", block_size, " (tokens per block)")
         if hash_fn is not None and not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable as hash_fn(parent_hash, token_ids), got {hash_fn!r}.")
-        if allocator is not None and (not isinstance(allocator, PageAllocator) or allocator.num_pages != num_blocks
-                                      or allocator.num_free != num_blocks):
-            raise ValueError(f"allocator must be an untouched PageAllocator of {num_blocks} pages (a pool's "
-                             "`allocator`, with pages of block_size slots), got {allocator!r}.")
+        if allocator is not None and (getattr(allocator, "num_pages", None) != num_blocks
+                                      or getattr(allocator, "num_free", None) != num_blocks):
+            raise ValueError(f"allocator must be an untouched page allocator of {num_blocks} pages (a pool's "
+                             f"`allocator`, with pages of block_size slots), got {allocator!r}.")
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_fn: HashFn = hash_fn or hash_block_tokens
@@ -121,8 +133,8 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.allocator = allocator or PageAllocator(num_blocks, device="cpu")
         # Cached blocks nobody uses, least recently freed first: prefixes freed last survive longest.
-        self._cached: OrderedDict[int, None] = OrderedDict()
-        self._live: set[int] = set()  # seq_ids whose block table came from this manager
+        self.cached_blocks: OrderedDict[int, None] = OrderedDict()
+        self.live_seqs: set[int] = set()  # seq_ids whose block table came from this manager
         self.stats = PrefixCacheStats()
 
     # --- state ---------------------------------------------------------------------------
@@ -134,72 +146,79 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a sequence could get now: free in the allocator, or cached and nobody's."""
-        return self.allocator.num_free + len(self._cached)
+        return self.allocator.num_free + len(self.cached_blocks)
 
     @property
     def free_block_ids(self) -> list[int]:
         """Blocks in the order they will be handed out: the allocator's free pages, then cached
         blocks, least recently freed first."""
-        return self.allocator.free_pages + list(self._cached)
+        return self.allocator.free_pages + list(self.cached_blocks)
 
     def is_cached(self, block_id: int) -> bool:
         """Whether a block nobody uses can still be hit (its hash is the published one)."""
-        return block_id in self._cached
+        return block_id in self.cached_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
         """Blocks nobody uses whose published prefix can still be hit: the cache's evictable part."""
-        return len(self._cached)
+        return len(self.cached_blocks)
 
     def evict_cached(self) -> int:
         """Forget every published prefix held only by the cache and give those blocks back to the
         allocator; returns the tokens forgotten. Blocks in use keep their hashes."""
-        evicted = list(self._cached)
+        evicted = list(self.cached_blocks)
         self.allocator.free(torch.tensor(evicted, dtype=torch.int64))  # may fail: before any change
         for b in evicted:
-            self._forget(self.blocks[b])
-        self._cached.clear()
+            self.forget(self.blocks[b])
+        self.cached_blocks.clear()
         self.stats.evicted_blocks += len(evicted)
         return len(evicted) * self.block_size
 
-    def _evict_one(self) -> int:
+    def evict_one(self) -> int:
         """Take the least recently freed cached block for new KV: its hash must stop pointing here."""
-        block_id, _ = self._cached.popitem(last=False)
-        self._forget(self.blocks[block_id])
+        block_id, _ = self.cached_blocks.popitem(last=False)
+        self.forget(self.blocks[block_id])
         self.stats.evicted_blocks += 1
         return block_id
 
-    def _forget(self, block: Block) -> None:
+    def forget(self, block: Block) -> None:
         """Drop what the block caches: its KV is about to be overwritten or is garbage."""
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.parent_hash = None, [], None
 
     def __repr__(self) -> str:
-        return (f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+        return (f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"free={self.num_free_blocks} ({self.num_cached_free_blocks} still cached), "
-                f"hashed={len(self.hash_to_block_id)}, live_seqs={len(self._live)})")
+                f"hashed={len(self.hash_to_block_id)}, live_seqs={len(self.live_seqs)})")
 
     # --- checks: every public method validates before it changes anything -----------------
 
-    def _check_seq(self, seq) -> None:
+    def check_seq(self, seq) -> None:
+        """TypeError unless `seq` is a Sequence; ValueError unless it has this manager's block_size."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"Expected a kvlearn.Sequence, got {type(seq).__name__}.")
         if seq.block_size != self.block_size:
             raise ValueError(f"Sequence {seq.seq_id} has block_size {seq.block_size} but this manager uses "
                              f"{self.block_size}: build the Sequence with block_size={self.block_size}.")
 
-    def _check_new(self, seq) -> None:
-        self._check_seq(seq)
-        if seq.seq_id in self._live or seq.block_table:
+    def check_new(self, seq) -> None:
+        """`check_seq`, and ValueError if `seq` already holds a block table (allocate's check)."""
+        self.check_seq(seq)
+        if seq.seq_id in self.live_seqs or seq.block_table:
             raise ValueError(f"Sequence {seq.seq_id} already has a block table {seq.block_table}: "
                              "deallocate it before allocating it again.")
 
-    def _check_live(self, seq) -> None:
-        self._check_seq(seq)
-        if seq.seq_id not in self._live:
+    def check_live(self, seq) -> None:
+        """`check_seq`, and ValueError unless `seq` holds a block table from this manager."""
+        self.check_seq(seq)
+        if seq.seq_id not in self.live_seqs:
             raise ValueError(f"Sequence {seq.seq_id} is not allocated by this manager (never allocated, or "
                              "already deallocated): call allocate(seq) first.")
+
+
+class BlockManager(BlockManagerBase):
+    """Allocates physical blocks to sequences and shares the blocks of common prefixes."""
 
     # --- prefix lookup ---------------------------------------------------------------------
 
@@ -230,7 +249,7 @@ class BlockManager:
         """Tokens of `seq` (a Sequence, or a list of token ids) that `allocate` would take from the
         cache now; changes no state or stats."""
         if isinstance(seq, Sequence):
-            self._check_seq(seq)
+            self.check_seq(seq)
             seq = seq.token_ids
         return len(self._match(list(seq))) * self.block_size
 
@@ -243,7 +262,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether `allocate(seq)` would succeed now."""
-        self._check_new(seq)
+        self.check_new(seq)
         return self._blocks_needed(seq, self._match(seq.token_ids)) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
@@ -253,7 +272,7 @@ class BlockManager:
         `seq.token_ids[seq.num_cached_tokens:]`, then calls `hash_blocks(seq)`.
         Raises KVCapacityError (and changes nothing) when there are not enough free blocks.
         """
-        self._check_new(seq)
+        self.check_new(seq)
         hit = self._match(seq.token_ids)
         needed = self._blocks_needed(seq, hit)
         if needed > self.num_free_blocks:
@@ -265,11 +284,11 @@ class BlockManager:
         for block_id in hit:  # before any miss evicts a cached block, so no hit is handed out
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._cached[block_id]
+                del self.cached_blocks[block_id]
             block.ref_count += 1
         seq.block_table[:] = hit + self._claim(fresh, seq.num_blocks - len(hit))
         seq.num_cached_tokens = len(hit) * self.block_size
-        self._live.add(seq.seq_id)
+        self.live_seqs.add(seq.seq_id)
         if self.enable_prefix_caching:
             self.stats.queries += 1
             self.stats.query_tokens += seq.num_tokens
@@ -284,7 +303,7 @@ class BlockManager:
     def _claim(self, fresh: list[int], n: int) -> list[int]:
         """`n` blocks for new KV (the caller checked there are enough): the `fresh` pages, then
         cached blocks, least recently freed first, each forgetting what it cached."""
-        taken = fresh + [self._evict_one() for _ in range(n - len(fresh))]
+        taken = fresh + [self.evict_one() for _ in range(n - len(fresh))]
         for block_id in taken:
             self.blocks[block_id].ref_count = 1
         return taken
@@ -297,7 +316,7 @@ class BlockManager:
         computes that token. A block whose hash is already published by another block stays
         unpublished (one copy is enough); it still remembers its hash, so it is not hashed again.
         """
-        self._check_live(seq)
+        self.check_live(seq)
         covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_tokens
@@ -323,12 +342,12 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether `may_append(seq)` would succeed now (it needs a free block at a block boundary)."""
-        self._check_live(seq)
+        self.check_live(seq)
         return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
 
     def may_append(self, seq: Sequence) -> None:
         """After `seq.append_token(t)`: grow the block table so every token has a slot."""
-        self._check_live(seq)
+        self.check_live(seq)
         needed = seq.num_blocks - len(seq.block_table)
         if needed > self.num_free_blocks:
             raise KVCapacityError(f"Sequence {seq.seq_id} needs {needed} new block(s) but only "
@@ -340,7 +359,7 @@ class BlockManager:
         """Release the blocks of `seq`. A block nobody holds any more stays cached (at the back of
         the LRU list) if it is the published copy of its prefix, and goes back to the allocator
         otherwise. The table is walked in reverse, so a prefix's tail is evicted before its head."""
-        self._check_live(seq)
+        self.check_live(seq)
         last_user = [b for b in reversed(seq.block_table) if self.blocks[b].ref_count == 1]
         released = [b for b in last_user if self.hash_to_block_id.get(self.blocks[b].hash) != b]
         # The one call that may fail, before any change; table order, so the head is reused first.
@@ -349,18 +368,18 @@ class BlockManager:
             self.blocks[block_id].ref_count -= 1
         for block_id in last_user:
             if block_id in released:
-                self._forget(self.blocks[block_id])
+                self.forget(self.blocks[block_id])
             else:
-                self._cached[block_id] = None
+                self.cached_blocks[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
-        self._live.discard(seq.seq_id)
+        self.live_seqs.discard(seq.seq_id)
 
     # --- what the paged-attention runner consumes -------------------------------------------
 
     def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
         """KV slots of token positions [start, end) of `seq`: a 1-D int64 tensor."""
-        self._check_live(seq)
+        self.check_live(seq)
         check_int("start", start, what=" (a token position)")
         check_int("end", end, what=" (a token position)")
         covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)
@@ -374,7 +393,7 @@ class BlockManager:
     def block_tables(self, seqs: list[Sequence], device=None) -> torch.Tensor:
         """Block tables of a batch as one [len(seqs), longest table] int64 tensor, padded with -1."""
         for seq in seqs:
-            self._check_live(seq)
+            self.check_live(seq)
         width = max((len(s.block_table) for s in seqs), default=0)
         rows = np.full((len(seqs), width), -1, dtype=np.int64)  # numpy fills rows from lists ~3x faster
         for i, seq in enumerate(seqs):

@@ -29,13 +29,16 @@ class KVPool:
     """K and V for every layer in one preallocated tensor, handed out slot by slot (or page by page).
 
     `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, head_dim]` views of that tensor.
+    `allocator_cls` builds the page allocator as `allocator_cls(num_pages, device=...)`: None for
+    chapter 4's `PageAllocator`, or a learner's part with its contract (`kvlearn.parts.AllocatorPart`).
     With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs `n` to be a multiple
     of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
     consecutive slots starting at a multiple of `page_size`; `free` takes back whole pages only.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
-                 dtype: torch.dtype = torch.float32, device=None, page_size: int = 1):
+                 dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
+                 allocator_cls=None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("num_slots", num_slots), ("page_size", page_size)):
             check_positive_int(name, value)
@@ -55,12 +58,13 @@ class KVPool:
         self.k = tuple(self.kv[layer, 0] for layer in range(num_layers))
         self.v = tuple(self.kv[layer, 1] for layer in range(num_layers))
         # Every slot of the pool is handed out through this allocator, in every cache mode.
-        self.allocator = PageAllocator(num_slots // page_size, device=self.device)
+        self.allocator = (allocator_cls or PageAllocator)(num_slots // page_size, device=self.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
     def for_model(cls, config, num_slots: int | None = None, memory_budget_bytes: int | None = None,
-                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1) -> "KVPool":
+                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
+                  allocator_cls=None) -> "KVPool":
         """A pool shaped for `config` (transformers config or `kvlearn.memory.KVConfig`), sized by
         exactly one of `num_slots` or `memory_budget_bytes` (whole pages that fit the budget)."""
         if (num_slots is None) == (memory_budget_bytes is None):
@@ -72,7 +76,7 @@ class KVPool:
         if memory_budget_bytes is not None:
             num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size)
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots, dtype=dtype, device=device,
-                   page_size=page_size)
+                   page_size=page_size, allocator_cls=allocator_cls)
 
     @staticmethod
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,

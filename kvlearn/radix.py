@@ -84,6 +84,51 @@ class MatchResult:
         return f"MatchResult(len={len(self)}, last_node=#{self.last_node.id})"
 
 
+# --- checks of keys and values, and the walk pictures use (shared with kvlearn.parts.RadixCacheBase) ---
+
+def as_token_key(key) -> tuple:
+    """A key (list/tuple of ints or 1-D int tensor) as a tuple of token ids; TypeError or ValueError
+    naming what is wrong."""
+    if isinstance(key, torch.Tensor):
+        if key.dim() != 1 or key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
+            raise TypeError(f"key tensor must be 1-D with an integer dtype, got shape "
+                            f"{tuple(key.shape)} and dtype {key.dtype}.")
+        key = tuple(key.tolist())
+    elif isinstance(key, (list, tuple)):
+        key = tuple(key)
+        bad = set(map(type, key)) - {int}
+        if bad:
+            raise TypeError(f"key must hold Python ints (token ids), found {sorted(t.__name__ for t in bad)}; "
+                            "convert it first, e.g. with .tolist().")
+    else:
+        raise TypeError(f"key must be a list/tuple of ints or a 1-D int tensor, got {type(key).__name__}.")
+    if key and min(key) < 0:
+        raise ValueError(f"key holds a negative token id ({min(key)}); token ids are >= 0.")
+    return key
+
+
+def as_slot_value(value, n: int, device) -> torch.Tensor:
+    """`value` checked to be a 1-D integer tensor of `n` slot ids, as int64 on `device`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"value must be a 1-D int64 tensor of slot ids, got {type(value).__name__}.")
+    if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"value must be a 1-D integer tensor of slot ids, got shape {tuple(value.shape)} "
+                        f"and dtype {value.dtype}.")
+    if value.shape[0] != n:
+        raise ValueError(f"value has {value.shape[0]} slot ids but key has {n} tokens: give one slot per token.")
+    return value.to(device, torch.int64)
+
+
+def subtree_nodes(root: TreeNode) -> list[TreeNode]:
+    """`root` and every node below it, depth first, children in token order (deterministic)."""
+    out, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
+    return out
+
+
 # Eviction policies: a node's eviction key, smallest evicted first (the heap breaks ties by node id).
 EVICTION_POLICIES: dict[str, Callable[[TreeNode], object]] = {
     "lru": attrgetter("last_access"),          # least recently used first
@@ -361,32 +406,10 @@ class RadixCache:
 
     # --- input checks -------------------------------------------------------------------------
     def _as_key(self, key) -> tuple:
-        if isinstance(key, torch.Tensor):
-            if key.dim() != 1 or key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
-                raise TypeError(f"key tensor must be 1-D with an integer dtype, got shape "
-                                f"{tuple(key.shape)} and dtype {key.dtype}.")
-            key = tuple(key.tolist())
-        elif isinstance(key, (list, tuple)):
-            key = tuple(key)
-            bad = set(map(type, key)) - {int}
-            if bad:
-                raise TypeError(f"key must hold Python ints (token ids), found {sorted(t.__name__ for t in bad)}; "
-                                "convert it first, e.g. with .tolist().")
-        else:
-            raise TypeError(f"key must be a list/tuple of ints or a 1-D int tensor, got {type(key).__name__}.")
-        if key and min(key) < 0:
-            raise ValueError(f"key holds a negative token id ({min(key)}); token ids are >= 0.")
-        return key
+        return as_token_key(key)
 
     def _as_value(self, value, n: int) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"value must be a 1-D int64 tensor of slot ids, got {type(value).__name__}.")
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise TypeError(f"value must be a 1-D integer tensor of slot ids, got shape {tuple(value.shape)} "
-                            f"and dtype {value.dtype}.")
-        if value.shape[0] != n:
-            raise ValueError(f"value has {value.shape[0]} slot ids but key has {n} tokens: give one slot per token.")
-        return value.to(self.device, torch.int64)
+        return as_slot_value(value, n, self.device)
 
     def _aligned(self, key: tuple) -> tuple:
         p = self.page_size
@@ -398,12 +421,7 @@ class RadixCache:
     # --- checks for tests and notebooks -------------------------------------------------------
     def nodes(self) -> list[TreeNode]:
         """All nodes, root first, depth first, children in token order (deterministic)."""
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
-        return out
+        return subtree_nodes(self.root)
 
     def check_invariants(self) -> None:
         """Recount everything from the tree and assert the module's invariants (O(tree size))."""

@@ -1,16 +1,16 @@
 """BlockManager against a brute-force reference, driven by hypothesis.
 
-The reference knows nothing about hashes. It keeps the allocator's free pages and the cached
-blocks nobody uses as two plain lists, and for every published block the whole token prefix (a
-tuple) whose KV that block completes. A new sequence's
-cached prefix is then "the longest run of its full-block prefixes that some published block
-holds", capped so the last token is always computed. Random allocate / compute / append /
-deallocate steps, and misuse of deallocated sequences, are checked against it after every step.
+The reference (`kvlearn.parts.references.BlockReference`, the one `kvlearn.parts.check` judges
+learners' managers by) knows nothing about hashes. It keeps the allocator's free pages and the
+cached blocks nobody uses (with when each was freed), and for every published block the whole
+token prefix (a tuple) whose KV that block completes. A new sequence's cached prefix is then "the
+longest run of its full-block prefixes that some published block holds", capped so the last token
+is always computed. On top of the reference, this test holds the package's manager to its exact
+order: new blocks are the first ones of `free_block_ids`. Random allocate / compute / append /
+deallocate steps, and misuse of deallocated sequences, are checked after every step.
 The number of examples comes from the hypothesis profile (1,000 by default, 10,000 with
 HYPOTHESIS_PROFILE=thorough).
 """
-
-from collections import Counter
 
 import pytest
 from hypothesis import settings
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvlearn import BlockManager, KVCapacityError, Sequence
+from kvlearn.parts.references import BlockReference
 from tests.block_state import snapshot
 
 # A 3-token alphabet and short blocks make prompts share prefixes (and hit the cache) often.
@@ -29,62 +30,23 @@ class BlockMachine(RuleBasedStateMachine):
                 caching=st.sampled_from([True, True, True, False]))
     def setup(self, block_size, num_blocks, caching):
         self.bs = block_size
-        self.caching = caching
         self.m = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.stack = list(range(num_blocks))  # the allocator: handed out from the front, freed to the front
-        self.cached = []     # published blocks nobody uses: least recently freed at the front
-        self.held = {}       # published and findable block id -> token prefix its KV completes
-        self.hashed = set()  # block ids that carry a hash (findable, or a duplicate of one that is)
+        self.ref = BlockReference(num_blocks, block_size, caching)
         self.live = []       # [sequence, tokens whose KV is computed]
         self.dead = []       # deallocated sequences
         self.prompts = []    # prompts and finished sequences, to build related prompts from
         self.hit_tokens = 0
 
-    # --- reference helpers -----------------------------------------------------------------
-    def refs(self):
-        return Counter(b for s, _ in self.live for b in s.block_table)
-
-    def expected_hit(self, tokens):
-        findable = {prefix: b for b, prefix in self.held.items()}
-        hit = []
-        for j in range((len(tokens) - 1) // self.bs):  # the last token is always computed
-            block_id = findable.get(tuple(tokens[:(j + 1) * self.bs]))
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
-
-    @property
-    def num_free(self):
-        return len(self.stack) + len(self.cached)
-
-    def forget(self, b):
-        self.held.pop(b, None)
-        self.hashed.discard(b)
-
-    def take_free(self, n):
-        fresh = min(n, len(self.stack))
-        taken, self.stack = self.stack[:fresh], self.stack[fresh:]
-        evicted, self.cached = self.cached[:n - fresh], self.cached[n - fresh:]
-        for b in evicted:  # reused: whatever it cached is gone
-            self.forget(b)
-        return taken + evicted
+    def check_new_blocks(self, new, problem):
+        """The manager gave `new` blocks: allowed by the reference, and the first ones it listed as free."""
+        assert problem is None, problem
+        assert new == self.free_before[:len(new)]
 
     def release(self, entry):
         s = entry[0]
-        table = list(s.block_table)
         self.m.deallocate(s)
+        self.ref.release(s.seq_id)
         self.live.remove(entry)
-        refs, released = self.refs(), []
-        for b in reversed(table):
-            if refs[b]:
-                continue
-            if b in self.held:
-                self.cached.append(b)
-            else:
-                self.forget(b)
-                released.append(b)
-        self.stack = released[::-1] + self.stack
         self.dead.append(s)
         self.prompts.append(list(s.token_ids))
 
@@ -104,9 +66,8 @@ class BlockMachine(RuleBasedStateMachine):
         if not tokens:
             tokens = [0]
         s = Sequence(tokens, block_size=self.bs)
-        hit = self.expected_hit(tokens) if self.caching else []
-        refs = self.refs()
-        fits = s.num_blocks - sum(refs[b] > 0 for b in hit) <= self.num_free
+        hit = self.ref.hit(tokens)
+        fits = self.ref.blocks_needed(len(tokens), hit) <= self.ref.num_free
 
         before = snapshot(self.m)
         assert self.m.num_cached_prefix(s) == len(hit) * self.bs
@@ -115,9 +76,11 @@ class BlockMachine(RuleBasedStateMachine):
         if not fits:
             self.unchanged(lambda: self.m.allocate(s), KVCapacityError, "free blocks")
             return
+        self.free_before = [b for b in self.m.free_block_ids if b not in hit]
         self.m.allocate(s)
-        self.cached = [b for b in self.cached if b not in hit]
-        assert s.block_table == hit + self.take_free(s.num_blocks - len(hit))
+        assert s.block_table[:len(hit)] == hit
+        new = s.block_table[len(hit):]
+        self.check_new_blocks(new, self.ref.allocate(s.seq_id, hit, new))
         assert s.num_cached_tokens == len(hit) * self.bs
         self.hit_tokens += s.num_cached_tokens
         self.live.append([s, s.num_cached_tokens])
@@ -128,17 +91,8 @@ class BlockMachine(RuleBasedStateMachine):
         entry = data.draw(st.sampled_from(self.live))
         s, done = entry
         upto = data.draw(st.integers(done, min(s.num_tokens, len(s.block_table) * self.bs)))
-        self.m.hash_blocks(s, upto)
+        assert self.m.hash_blocks(s, upto) == self.ref.publish(s.seq_id, s.token_ids, upto)
         entry[1] = upto
-        if not self.caching:
-            return
-        for j in range(upto // self.bs):
-            b = s.block_table[j]
-            if b not in self.hashed:
-                self.hashed.add(b)
-                prefix = tuple(s.token_ids[:(j + 1) * self.bs])
-                if prefix not in self.held.values():  # one findable copy per prefix
-                    self.held[b] = prefix
 
     @precondition(lambda self: any(done == s.num_tokens for s, done in self.live))
     @rule(data=st.data(), token=st.integers(0, 2))
@@ -147,13 +101,14 @@ class BlockMachine(RuleBasedStateMachine):
         s = entry[0]
         s.append_token(token)
         need = s.num_blocks - len(s.block_table)
-        assert self.m.can_append(s) == (need <= self.num_free)
-        if need > self.num_free:
+        assert self.m.can_append(s) == (need <= self.ref.num_free)
+        if need > self.ref.num_free:
             self.unchanged(lambda: self.m.may_append(s), KVCapacityError, "preempt")
             self.release(entry)  # preempted
             return
+        self.free_before = self.m.free_block_ids
         self.m.may_append(s)
-        assert s.block_table[len(s.block_table) - need:] == self.take_free(need)
+        self.check_new_blocks(s.block_table[len(s.block_table) - need:], self.ref.append(s.seq_id, s.block_table))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -169,21 +124,28 @@ class BlockMachine(RuleBasedStateMachine):
     # --- invariants ------------------------------------------------------------------------
     @invariant()
     def blocks_are_conserved_and_counted(self):
-        refs = self.refs()
-        assert self.m.free_block_ids == self.stack + self.cached  # exact allocator and LRU order
-        assert self.m.num_cached_free_blocks == len(self.cached)
+        if not hasattr(self, "m"):
+            return
+        refs, ref = self.ref.refs(), self.ref
+        ids, n = self.m.free_block_ids, self.m.allocator.num_free
+        assert set(ids[:n]) == ref.free and set(ids[n:]) == set(ref.cached)
+        assert [ref.cached[b] for b in ids[n:]] == sorted(ref.cached.values())  # least recently freed first
+        assert self.m.num_cached_free_blocks == len(ref.cached)
         assert all(b.ref_count == refs[b.block_id] >= 0 for b in self.m.blocks)
         in_use = sum(b.ref_count > 0 for b in self.m.blocks)
         assert self.m.num_free_blocks + in_use == self.m.num_blocks
-        assert not set(self.stack + self.cached) & set(refs)
-        assert all(self.m.blocks[b].hash is None for b in self.stack)  # a free page caches nothing
+        assert not (ref.free | set(ref.cached)) & set(refs)
+        assert all(self.m.blocks[b].hash is None for b in ref.free)  # a free page caches nothing
+        assert self.m.stats.evicted_blocks == ref.evicted_blocks
 
     @invariant()
     def only_full_computed_blocks_are_published(self):
-        assert sorted(self.m.hash_to_block_id.values()) == sorted(self.held)
+        if not hasattr(self, "m"):
+            return
+        assert sorted(self.m.hash_to_block_id.values()) == sorted(self.ref.held)
         for h, b in self.m.hash_to_block_id.items():
             assert self.m.blocks[b].hash == h
-            assert self.m.blocks[b].token_ids == list(self.held[b][-self.bs:])
+            assert self.m.blocks[b].token_ids == list(self.ref.held[b][-self.bs:])
         for s, done in self.live:
             for j, b in enumerate(s.block_table):
                 assert self.m.blocks[b].hash is None or (j + 1) * self.bs <= done
@@ -192,7 +154,8 @@ class BlockMachine(RuleBasedStateMachine):
     def last_token_is_never_cached(self):
         for s, _ in self.live:
             assert s.num_cached_tokens < s.num_tokens and s.num_cached_tokens % self.bs == 0
-        assert self.m.stats.hit_tokens == self.hit_tokens
+        if hasattr(self, "m"):
+            assert self.m.stats.hit_tokens == self.hit_tokens
 
 
 BlockMachine.TestCase.settings = settings(settings.default, stateful_step_count=30)

@@ -71,13 +71,16 @@ class RadixKV(SlotKV):
 
     Locks: a running request holds one lock, on the tree node where its borrowed prefix ends; the
     tree's protected size is therefore exactly the running requests' shared prefixes.
+    `radix_cache`: the tree's class (a learner's part, `kvlearn.parts.RadixCachePart`), built like
+    `RadixCache(page_size=..., evict_callback=..., device=...)`; None: the package's.
     """
 
     name, caches_prefixes = "radix", True
 
-    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
+    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, radix_cache=None):
         super().__init__(pool, max_requests)
-        self.tree = _RequestTree(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
+        self.tree = (radix_cache or _RequestTree)(page_size=pool.page_size, evict_callback=pool.free,
+                                                  device=pool.device)
         self._evicted = 0
 
     @property
@@ -166,14 +169,17 @@ class BlockKV(KVManager):
     A block whose last user leaves stays cached if it holds a published prefix, and is evicted
     (its page reused) only when the pool has no free page left: this mode evicts lazily, inside
     the block manager, which also counts what it evicted.
+    `block_manager`: the manager's class (a learner's part, `kvlearn.parts.BlockManagerPart`), built
+    like `BlockManager(num_blocks, block_size, enable_prefix_caching=True, allocator=...)`; None: the
+    package's.
     """
 
     name, caches_prefixes = "blocks", True
 
-    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
+    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, block_manager=None):
         super().__init__(pool, max_requests)
-        self.manager = BlockManager(pool.num_slots // pool.page_size, pool.page_size,
-                                    enable_prefix_caching=True, allocator=pool.allocator)
+        self.manager = (block_manager or BlockManager)(pool.num_slots // pool.page_size, pool.page_size,
+                                                       enable_prefix_caching=True, allocator=pool.allocator)
 
     @property
     def cache(self) -> BlockManager:
@@ -238,7 +244,15 @@ class BlockKV(KVManager):
         return self.manager.evict_cached()
 
 
-def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS) -> KVManager:
-    """The KV manager for a cache mode: "radix", "blocks" (blocks of pool.page_size) or "none"."""
-    modes = {"radix": RadixKV, "blocks": BlockKV, "none": NoCacheKV}
-    return modes[check_choice("cache", cache, CACHE_MODES)](pool, max_requests)
+def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS,
+                    parts: dict | None = None) -> KVManager:
+    """The KV manager for a cache mode: "radix", "blocks" (blocks of pool.page_size) or "none".
+    `parts` (checked by `EngineConfig`): learners' classes by part name; "radix_cache" builds the
+    radix mode's tree, "block_manager" the blocks mode's manager (the pool holds the allocator)."""
+    parts = parts or {}
+    check_choice("cache", cache, CACHE_MODES)
+    if cache == "radix":
+        return RadixKV(pool, max_requests, parts.get("radix_cache"))
+    if cache == "blocks":
+        return BlockKV(pool, max_requests, parts.get("block_manager"))
+    return NoCacheKV(pool, max_requests)

@@ -11,7 +11,7 @@ that needs them, before anything is built.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvlearn.errors import check_choice, check_positive_int
 from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size
@@ -20,6 +20,8 @@ from kvlearn.serving.scheduler import SCHEDULES
 
 WRITE_POLICIES = ("write_back", "write_through")  # chapter 8: when KV is copied to the tiers below
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
+# The parts a learner may hand the engine (kvlearn.parts), and the cache mode each one serves.
+PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES}
 
 
 @dataclass
@@ -31,6 +33,10 @@ class EngineConfig:
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
     page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
     max_running: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
+    parts: dict = field(default_factory=dict)  # learners' classes by part name (kvlearn.parts), built with the same
+                                         # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
+                                         # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
+                                         # PageAllocator); a part not given is the package's own
 
     # --- the scheduler (chapter 6) ---
     max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)
@@ -67,6 +73,24 @@ class EngineConfig:
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                              f"tree), got cache={self.cache!r}.")
+        self._check_parts()
+
+    def _check_parts(self) -> None:
+        names = ", ".join(map(repr, PART_MODES))
+        if not isinstance(self.parts, dict):
+            raise TypeError(f"parts must be a dict from part name ({names}) to a class, got "
+                            f"{type(self.parts).__name__}.")
+        for name, part in self.parts.items():
+            if name not in PART_MODES:
+                raise ValueError(f"Unknown part {name!r}: the parts are {names}.")
+            if not callable(part):
+                raise TypeError(f"parts[{name!r}] must be a class (or a function) built like the package's "
+                                f"{name}, got {type(part).__name__} {part!r}; the parts are {names}.")
+            if self.cache not in PART_MODES[name]:
+                raise ValueError(f"parts[{name!r}] serves cache={PART_MODES[name][0]!r}, but cache={self.cache!r}.")
+            if name == "radix_cache" and self.tiered:
+                raise ValueError("parts['radix_cache'] cannot serve with tiers (host_slots, disk_dir): chapter 8's "
+                                 "tree is the package's.")
 
     @property
     def tiered(self) -> bool:

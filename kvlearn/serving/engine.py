@@ -80,7 +80,7 @@ class Engine:
             check_tier_options(c.cache, c.host_slots, c.disk_dir, c.write_policy, c.disk_max_bytes)
         # The pool checks its sizes (num_slots a multiple of page_size) before anything is built.
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
-                                     page_size=c.page_size)
+                                     page_size=c.page_size, allocator_cls=c.parts.get("allocator"))
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -89,7 +89,7 @@ class Engine:
             self.kv = make_tiered_kv(self.pool, model, c.host_slots, c.disk_dir, c.write_policy, c.max_running,
                                      c.disk_max_bytes)
         else:
-            self.kv = make_kv_manager(c.cache, self.pool, c.max_running)
+            self.kv = make_kv_manager(c.cache, self.pool, c.max_running, parts=c.parts)
         self.scheduler = Scheduler(self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids,
                                    chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()

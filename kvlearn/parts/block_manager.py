@@ -1,0 +1,82 @@
+"""The `block_manager` part (chapters 1-2): block tables with hashed, shared prefix blocks.
+
+The engine's blocks mode builds it as `cls(num_blocks, block_size, enable_prefix_caching=True,
+allocator=pool.allocator)`, like `kvlearn.BlockManager`, and calls only the members of
+`BlockManagerPart`; pictures also read `blocks`, `is_cached` and `free_block_ids`. A learner writes
+the hash-chain lookup, allocate / may_append / deallocate, hash_blocks and slot_mapping;
+`kvlearn.blocks.BlockManagerBase` (re-exported here) holds the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvlearn.blocks import Block, BlockManagerBase, PrefixCacheStats
+from kvlearn.sequence import Sequence
+
+__all__ = ["BlockManagerPart", "BlockManagerBase"]
+
+
+class BlockManagerPart(Protocol):
+    """What the engine's blocks mode asks of a block manager (`kvlearn.serving.cache_modes.BlockKV`).
+
+    Rules (the chapters'): new blocks are the allocator's free pages first, then cached blocks
+    nobody uses, least recently freed first (whatever such a block cached is forgotten); a full
+    block is published (findable by its chained hash) only by `hash_blocks`, once its KV is computed,
+    and one copy per prefix; a new sequence shares its longest published prefix, never its last
+    token; a block's `ref_count` is the number of live block tables that hold it. A call that cannot
+    be served raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated
+    twice or never allocated) and changes nothing.
+    """
+
+    block_size: int
+    blocks: list[Block]        # blocks[i].block_id == i; ref_count, hash, token_ids (pictures)
+    stats: PrefixCacheStats    # the engine reads stats.evicted_blocks (cached blocks reused or dropped)
+
+    @property
+    def num_blocks(self) -> int:
+        """Query: blocks in the pool."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Query: blocks a sequence could get now (free pages and cached blocks nobody uses)."""
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Query: blocks nobody uses whose prefix can still be hit (evictable)."""
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """Query: the blocks a sequence could get, in the order they are handed out."""
+
+    def is_cached(self, block_id: int) -> bool:
+        """Query: whether a block nobody uses can still be hit."""
+
+    def num_cached_prefix(self, seq: Sequence | list[int]) -> int:
+        """Query: tokens `allocate` would take from the cache now; changes nothing."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Query: whether `allocate(seq)` would succeed now."""
+
+    def allocate(self, seq: Sequence) -> None:
+        """Mutation: fill `seq.block_table` (every token) and `seq.num_cached_tokens`."""
+
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
+        """Mutation: publish the full blocks whose KV is computed; returns how many were new."""
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Query: whether `may_append(seq)` would succeed now."""
+
+    def may_append(self, seq: Sequence) -> None:
+        """Mutation: after `seq.append_token`, make sure every token has a block."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Mutation: release the sequence's blocks; published ones nobody holds stay cached."""
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
+        """Query: the KV slots of token positions [start, end), a 1-D int64 tensor."""
+
+    def evict_cached(self) -> int:
+        """Mutation: forget every cached block nobody uses; returns the tokens forgotten."""

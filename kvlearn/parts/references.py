@@ -1,0 +1,240 @@
+"""Brute-force references that judge a part: they know nothing of nodes, heaps or hashes.
+
+Each one keeps the state a chapter's structure stands for as plain Python data (dicts of token
+prefixes, sets of pages) and says what every call must return. Where the chapter leaves a choice
+open (which free page, which of several blocks freed at the same moment), the reference takes the
+part's choice once it has checked it is one of the allowed ones, and goes on from there. Used by
+`kvlearn.parts.check` and by the package's own property tests (tests/test_*_state_machine.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class RadixReference:
+    """A radix cache as a dict: every cached page-aligned prefix (a tuple of tokens) -> the slots of
+    its last page, the logical time a match or insert last walked over it, and its hits.
+
+    The clock ticks once per match or insert. A lock covers every prefix of the locked prefix.
+    Eviction takes an unlocked leaf (a prefix that no other prefix extends) with the smallest key:
+    its time under "lru", (hits, time) under "lfu".
+    """
+
+    def __init__(self, page_size: int = 1, policy: str = "lru"):
+        self.page, self.policy = page_size, policy
+        self.slot: dict[tuple, tuple] = {}
+        self.time: dict[tuple, int] = {}
+        self.hits: dict[tuple, int] = {}
+        self.clock = 0
+        self.locks: list[tuple] = []   # one locked prefix per lock held
+
+    # --- queries ---------------------------------------------------------------------------------
+    def aligned(self, key: tuple) -> tuple:
+        return key[:len(key) // self.page * self.page]
+
+    def cached_length(self, key: tuple) -> int:
+        n = 0
+        while n + self.page <= len(key) and key[:n + self.page] in self.slot:
+            n += self.page
+        return n
+
+    def slots_of(self, key: tuple, n: int) -> list[int]:
+        """Slots of the first `n` (cached) tokens of `key`."""
+        return [s for j in range(self.page, n + 1, self.page) for s in self.slot[key[:j]]]
+
+    def locked(self, prefix: tuple) -> bool:
+        return any(lp[:len(prefix)] == prefix for lp in self.locks)
+
+    @property
+    def total_size(self) -> int:
+        return self.page * len(self.slot)
+
+    @property
+    def protected_size(self) -> int:
+        return self.page * sum(self.locked(p) for p in self.slot)
+
+    @property
+    def evictable_size(self) -> int:
+        return self.total_size - self.protected_size
+
+    def evict_key(self, prefix: tuple):
+        return self.time[prefix] if self.policy == "lru" else (self.hits[prefix], self.time[prefix])
+
+    def unlocked_leaves(self) -> list[tuple]:
+        parents = {p[:-self.page] for p in self.slot}
+        return [p for p in self.slot if p not in parents and not self.locked(p)]
+
+    # --- mutations -------------------------------------------------------------------------------
+    def _touch(self, key: tuple, n: int) -> None:
+        for j in range(self.page, n + 1, self.page):
+            self.time[key[:j]] = self.clock
+
+    def match(self, key: tuple) -> tuple[int, list[int]]:
+        """`match_prefix(key)`: the matched length and its slots."""
+        key = tuple(key)
+        n = self.cached_length(key)
+        self.clock += 1
+        self._touch(key, n)
+        for j in range(self.page, n + 1, self.page):
+            self.hits[key[:j]] += 1
+        return n, self.slots_of(key, n)
+
+    def insert(self, key: tuple, value: list[int]) -> tuple[int, list[int]]:
+        """`insert(key, value)`: the length already cached, and the tree's slots for the whole
+        aligned key afterwards (what `insert_prefix`'s match holds)."""
+        key = tuple(key)
+        present, aligned = self.cached_length(key), self.aligned(key)
+        self.clock += 1
+        for j in range(present + self.page, len(aligned) + 1, self.page):
+            self.slot[key[:j]] = tuple(value[j - self.page:j])
+            self.hits[key[:j]] = 0
+        self._touch(key, len(aligned))
+        return present, self.slots_of(key, len(aligned))
+
+    def lock(self, prefix: tuple) -> None:
+        self.locks.append(tuple(prefix))
+
+    def unlock(self, prefix: tuple) -> None:
+        self.locks.remove(tuple(prefix))
+
+    def evicted(self, slots: list[int]) -> str | None:
+        """One `evict_callback(slots)`: drop the leaf that held them; the reason it may not be
+        evicted (not a whole leaf, locked, not the least recently used), or None."""
+        victims = [p for p, s in self.slot.items() if set(s) & set(slots)]
+        if not victims or sorted(s for p in victims for s in self.slot[p]) != sorted(slots):
+            return f"the callback got slots {slots}, which are not the slots of one cached node"
+        last = max(victims, key=len)
+        if last in {p[:-self.page] for p in self.slot}:
+            return f"it evicted a node that still has children (tokens {list(last)})"
+        if self.locked(last):
+            return f"it evicted a locked node (tokens {list(last)})"
+        if self.evict_key(last) > min(map(self.evict_key, self.unlocked_leaves())):
+            return f"it evicted tokens {list(last)} while a leaf used less recently was unlocked"
+        for p in victims:
+            del self.slot[p], self.time[p], self.hits[p]
+        return None
+
+
+class BlockReference:
+    """A block manager without hashes: which pages are free, which blocks are cached (and when each
+    was freed), which block holds the published copy of which token prefix, and the live tables.
+
+    A block is published by the first `hash_blocks` that finds it full and computed, unless another
+    block already holds its prefix: then it stays a duplicate for good. New blocks are free pages
+    first (any of them: the allocator chooses), then cached blocks, least recently freed first
+    (blocks freed by one `deallocate` count as freed together).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
+        self.num_blocks, self.bs, self.caching = num_blocks, block_size, caching
+        self.free = set(range(num_blocks))   # the allocator's free pages
+        self.cached: dict[int, int] = {}     # cached block nobody uses -> when it was freed
+        self.held: dict[int, tuple] = {}     # published block -> the token prefix its KV completes
+        self.hashed: set[int] = set()        # published blocks and their duplicates
+        self.tables: dict[int, list[int]] = {}  # seq_id -> block table of a live sequence
+        self.clock = 0
+        self.evicted_blocks = 0
+
+    # --- queries ---------------------------------------------------------------------------------
+    def refs(self) -> Counter:
+        return Counter(b for table in self.tables.values() for b in table)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.cached)
+
+    def hit(self, tokens: list[int]) -> list[int]:
+        """Blocks of the longest published prefix of `tokens`, never its last token."""
+        if not self.caching:
+            return []
+        findable = {prefix: b for b, prefix in self.held.items()}
+        hit = []
+        for j in range((len(tokens) - 1) // self.bs):
+            b = findable.get(tuple(tokens[:(j + 1) * self.bs]))
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def blocks_needed(self, num_tokens: int, hit: list[int]) -> int:
+        refs = self.refs()
+        return -(-num_tokens // self.bs) - sum(refs[b] > 0 for b in hit)
+
+    # --- mutations -------------------------------------------------------------------------------
+    def take(self, new: list[int]) -> str | None:
+        """The part gave these blocks for new KV (`allocate` and `append` call it): the rule it broke,
+        or None (and they are taken)."""
+        if len(set(new)) != len(new):
+            return f"it handed out block(s) {sorted(b for b, k in Counter(new).items() if k > 1)} twice"
+        busy = [b for b in new if b not in self.free and b not in self.cached]
+        if busy:
+            return f"it handed out block(s) {busy}, which are in use (or do not exist)"
+        from_cached = [b for b in new if b in self.cached]
+        if len(new) - len(from_cached) != min(len(new), len(self.free)):
+            return (f"it reused cached block(s) {from_cached} while the allocator still had free pages "
+                    f"{sorted(self.free)}")
+        rest = [t for b, t in self.cached.items() if b not in from_cached]
+        if from_cached and rest and max(self.cached[b] for b in from_cached) > min(rest):
+            oldest = min(self.cached, key=self.cached.get)
+            return f"it reused cached block(s) {from_cached} before block {oldest}, which was freed earlier"
+        for b in new:
+            self.free.discard(b)
+            if self.cached.pop(b, None) is not None:
+                self.forget(b)
+                self.evicted_blocks += 1
+        return None
+
+    def forget(self, b: int) -> None:
+        self.held.pop(b, None)
+        self.hashed.discard(b)
+
+    def allocate(self, seq_id: int, hit: list[int], new: list[int]) -> str | None:
+        """`allocate` gave the sequence the `hit` blocks, then `new` ones: the rule it broke, or None."""
+        for b in hit:   # hits are taken before any new block, so no hit is reused for new KV
+            self.cached.pop(b, None)
+        self.tables[seq_id] = list(hit) + list(new)
+        return self.take(new)
+
+    def append(self, seq_id: int, table: list[int]) -> str | None:
+        """`may_append` grew the sequence's table to `table`: the rule it broke, or None."""
+        new = table[len(self.tables[seq_id]):]
+        self.tables[seq_id] = list(table)
+        return self.take(new)
+
+    def publish(self, seq_id: int, tokens: list[int], num_computed: int) -> int:
+        """`hash_blocks`: returns how many blocks were hashed now (published or duplicates)."""
+        if not self.caching:
+            return 0
+        table, new = self.tables[seq_id], 0
+        for j in range(num_computed // self.bs):
+            b = table[j]
+            if b not in self.hashed:
+                self.hashed.add(b)
+                new += 1
+                prefix = tuple(tokens[:(j + 1) * self.bs])
+                if prefix not in self.held.values():
+                    self.held[b] = prefix
+        return new
+
+    def release(self, seq_id: int) -> None:
+        """`deallocate`: blocks nobody holds any more are cached if published, else free."""
+        table = self.tables.pop(seq_id)
+        refs = self.refs()
+        self.clock += 1
+        for b in table:
+            if refs[b]:
+                continue
+            if b in self.held:
+                self.cached[b] = self.clock
+            else:
+                self.forget(b)
+                self.free.add(b)
+
+    def evict_cached(self) -> int:
+        for b in self.cached:
+            self.forget(b)
+            self.free.add(b)
+        self.evicted_blocks += len(self.cached)
+        n, self.cached = len(self.cached) * self.bs, {}
+        return n

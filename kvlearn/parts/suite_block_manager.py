@@ -1,0 +1,200 @@
+"""The conformance suite of the `block_manager` part (chapters 1-2), judged by `BlockReference`.
+
+A program is a block size, a pool of blocks (the part gets a fresh `PageAllocator` of them, as the
+engine hands it the pool's) and random operations over a 3-token alphabet (so prompts share
+blocks): allocate (often a prompt that extends an earlier one), compute (`hash_blocks` up to some
+token), append a token (and may_append, or preempt when there is no room), deallocate, misuse of a
+deallocated sequence, `slot_mapping`, `evict_cached`. After every call the part's blocks, counts
+and tables must be the reference's.
+"""
+
+from __future__ import annotations
+
+import random
+from operator import attrgetter
+
+from kvlearn.allocator import PageAllocator
+from kvlearn.errors import KVCapacityError
+from kvlearn.parts.references import BlockReference
+from kvlearn.parts.trace import Broken, Trace, ints, number, same
+from kvlearn.sequence import Sequence
+
+HINTS = {
+    "hit": "allocate walks the sequence's full blocks, chaining each block's hash with the one before it, and "
+           "shares every published block it finds, up to the first miss; never the block that holds the last "
+           "token (the full-hit rule: at most (num_tokens - 1) // block_size blocks). num_cached_prefix and "
+           "can_allocate ask the same question without changing anything (chapter 2).",
+    "table": "allocate gives the sequence one block per logical block: the shared (hit) blocks first, then new "
+             "ones; seq.num_cached_tokens = hit blocks * block_size (chapter 1).",
+    "take": "new blocks come from the allocator's free pages first (allocator.alloc); only when it has none left "
+            "is a cached block reused, least recently freed first, and it forgets the hash it published "
+            "(chapter 2: BlockManagerBase.evict_one).",
+    "refs": "a block's ref_count is the number of live block tables that hold it: +1 for each block allocate "
+            "or may_append gives a sequence, -1 for each block of a sequence deallocate releases.",
+    "free": "when its last user leaves, a block stays cached (still hittable, at the back of the LRU list) only "
+            "if it is the published copy of its prefix; any other block goes back to the allocator "
+            "(allocator.free). num_free_blocks counts both: the allocator's free pages and cached blocks.",
+    "publish": "hash_blocks(seq, n) publishes the full blocks among the first n tokens: block i's hash chains "
+               "the hash of block i - 1 with its tokens. A block whose prefix another block already publishes "
+               "stays unpublished for good (one copy is enough): it keeps its hash, so it is not hashed again.",
+    "append": "may_append gives the sequence a new block when its newest token starts one (the table has a "
+              "block per logical block again); can_append says whether that needs a block nobody has.",
+    "capacity": "allocate and may_append raise kvlearn.KVCapacityError when too few blocks are free, before "
+                "changing anything (can_allocate / can_append tell in advance).",
+    "misuse": "deallocate, may_append, can_append and hash_blocks raise ValueError for a sequence that is not "
+              "allocated (never, or already deallocated), allocate for one that is, and they change nothing "
+              "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
+    "slots": "slot_mapping(seq, start, end): token position p lives in slot "
+             "block_table[p // block_size] * block_size + p % block_size (chapter 1).",
+    "evict_cached": "evict_cached forgets every cached block nobody uses, gives them back to the allocator and "
+                    "returns their tokens (blocks * block_size); stats.evicted_blocks counts them, as it counts "
+                    "each cached block reused for new KV.",
+}
+
+
+def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
+    setup = {"block_size": rng.choice([1, 2, 2, 3, 4]), "num_blocks": rng.randint(1, 10)}
+    kinds = ["allocate", "allocate", "allocate", "compute", "compute", "append", "append", "deallocate",
+             "misuse", "allocate_again", "slot_mapping", "evict_cached"]
+    return setup, [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
+
+
+def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
+    bs, n_blocks = setup["block_size"], setup["num_blocks"]
+    ref = BlockReference(n_blocks, bs)
+    allocator = PageAllocator(n_blocks, device="cpu")
+    trace.note(f"allocator = PageAllocator({n_blocks})")
+    m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching=True, allocator=allocator)",
+                   impl, n_blocks, bs, enable_prefix_caching=True, allocator=allocator)
+    live: list[list] = []   # [sequence, its name, tokens computed]
+    dead: list[list] = []
+    prompts: list[list[int]] = []
+    names = iter(range(1, 1 << 30))
+
+    def release(entry):
+        s, name, _ = entry
+        trace.call(f"m.deallocate({name})", m.deallocate, s)
+        ref.release(s.seq_id)
+        live.remove(entry)
+        dead.append(entry)
+        prompts.append(list(s.token_ids))
+        same(f"{name}.block_table after deallocate", [], list(s.block_table), HINTS["misuse"])
+
+    for trace.op, (op, r) in enumerate(ops):
+        rng = random.Random(r)
+        if op == "allocate":
+            tokens = [rng.randint(0, 2) for _ in range(rng.randint(0, 8))]
+            if prompts and rng.random() < 0.6:
+                base = rng.choice(prompts)
+                tokens = base[:rng.randint(0, len(base))] + tokens
+            tokens = tokens or [0]
+            s, name = Sequence(tokens, block_size=bs), f"s{next(names)}"
+            trace.note(f"{name} = Sequence({tokens}, block_size={bs})")
+            hit = ref.hit(tokens)
+            fits = ref.blocks_needed(len(tokens), hit) <= ref.num_free
+            got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
+            trace.answer(str(got))
+            same(f"m.num_cached_prefix({name})", len(hit) * bs, got, HINTS["hit"])
+            got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
+            trace.answer(str(got))
+            same(f"m.can_allocate({name})", fits, got, HINTS["capacity"])
+            if not fits:
+                trace.refused(f"m.allocate({name})", (KVCapacityError,), m.allocate, s, hint=HINTS["capacity"])
+            else:
+                trace.call(f"m.allocate({name})", m.allocate, s)
+                table = list(s.block_table)
+                trace.answer(f"block_table {table}, num_cached_tokens {s.num_cached_tokens}")
+                same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens, HINTS["hit"])
+                same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)], HINTS["hit"])
+                same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["table"])
+                problem = ref.allocate(s.seq_id, hit, table[len(hit):])
+                if problem:
+                    raise Broken(f"m.allocate({name}): {problem}", HINTS["take"])
+                live.append([s, name, len(hit) * bs])
+        elif op == "compute" and live:
+            entry = rng.choice(live)
+            s, name, done = entry
+            upto = rng.randint(done, min(s.num_tokens, len(s.block_table) * bs))
+            if upto == s.num_tokens and rng.random() < 0.5:
+                trace.call(f"m.hash_blocks({name})", m.hash_blocks, s)
+            else:
+                trace.call(f"m.hash_blocks({name}, {upto})", m.hash_blocks, s, upto)
+            ref.publish(s.seq_id, s.token_ids, upto)
+            entry[2] = upto
+        elif op == "append" and any(done == s.num_tokens for s, _, done in live):
+            entry = rng.choice([e for e in live if e[2] == e[0].num_tokens])
+            s, name, _ = entry
+            token = rng.randint(0, 2)
+            trace.note(f"{name}.append_token({token})")
+            s.append_token(token)
+            need = s.num_blocks - len(ref.tables[s.seq_id])
+            got = trace.call(f"m.can_append({name})", m.can_append, s)
+            trace.answer(str(got))
+            same(f"m.can_append({name})", need <= ref.num_free, got, HINTS["append"])
+            if need > ref.num_free:
+                trace.refused(f"m.may_append({name})", (KVCapacityError,), m.may_append, s, hint=HINTS["capacity"])
+                check_state(m, ref, allocator, live, trace)
+                release(entry)   # preempted
+            else:
+                old = list(ref.tables[s.seq_id])
+                trace.call(f"m.may_append({name})", m.may_append, s)
+                table = list(s.block_table)
+                trace.answer(f"block_table {table}")
+                same(f"{name}.block_table[:{len(old)}] (unchanged by may_append)", old, table[:len(old)],
+                     HINTS["append"])
+                same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["append"])
+                problem = ref.append(s.seq_id, table)
+                if problem:
+                    raise Broken(f"m.may_append({name}): {problem}", HINTS["take"])
+        elif op == "deallocate" and live:
+            release(rng.choice(live))
+        elif op == "allocate_again" and live:
+            s, name, _ = rng.choice(live)
+            trace.refused(f"m.allocate({name})   # already allocated", (ValueError,), m.allocate, s,
+                          hint=HINTS["misuse"])
+        elif op == "misuse" and dead:
+            s, name, _ = rng.choice(dead)
+            call = rng.choice(["deallocate", "may_append", "can_append", "hash_blocks"])
+            trace.refused(f"m.{call}({name})   # deallocated", (ValueError,), getattr(m, call), s,
+                          hint=HINTS["misuse"])
+        elif op == "slot_mapping" and live:
+            s, name, _ = rng.choice(live)
+            covered = min(s.num_tokens, len(s.block_table) * bs)
+            start = rng.randint(0, covered)
+            end = rng.randint(start, covered)
+            got = ints("slot_mapping's answer", trace.call(f"m.slot_mapping({name}, {start}, {end})",
+                                                           m.slot_mapping, s, start, end))
+            trace.answer(str(got))
+            expect = [s.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            same(f"m.slot_mapping({name}, {start}, {end})", expect, got, HINTS["slots"])
+        elif op == "evict_cached":
+            got = number("evict_cached's answer", trace.call("m.evict_cached()", m.evict_cached))
+            trace.answer(str(got))
+            same("m.evict_cached()", ref.evict_cached(), got, HINTS["evict_cached"])
+        else:
+            continue
+        check_state(m, ref, allocator, live, trace)
+
+
+def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[list], trace: Trace) -> None:
+    """Every block's ref_count, the free and cached blocks and the live tables, against the reference."""
+    def ask(what: str):
+        return trace.call(f"m.{what}", attrgetter(what), m, quiet=True)
+
+    refs = ref.refs()
+    blocks = ask("blocks")
+    got = [(b.block_id, b.ref_count) for b in blocks]
+    same("[(b.block_id, b.ref_count) for b in m.blocks]", [(b, refs[b]) for b in range(ref.num_blocks)], got,
+         HINTS["refs"])
+    for s, name, _ in live:
+        same(f"{name}.block_table", ref.tables[s.seq_id], list(s.block_table), HINTS["table"])
+    same("m.num_free_blocks", ref.num_free, number("num_free_blocks", ask("num_free_blocks")), HINTS["free"])
+    same("the allocator's free pages (the part must take new blocks from the allocator it was given)",
+         sorted(ref.free), sorted(allocator.free_pages), HINTS["free"])
+    same("m.num_cached_free_blocks", len(ref.cached), number("num_cached_free_blocks", ask("num_cached_free_blocks")),
+         HINTS["free"])
+    same("the blocks m.is_cached says are cached", sorted(ref.cached),
+         [b for b in range(ref.num_blocks) if trace.call(f"m.is_cached({b})", m.is_cached, b, quiet=True)],
+         HINTS["free"])
+    same("sorted(m.free_block_ids)", sorted(ref.free | set(ref.cached)), sorted(ask("free_block_ids")), HINTS["free"])
+    same("m.stats.evicted_blocks", ref.evicted_blocks, ask("stats.evicted_blocks"), HINTS["take"])

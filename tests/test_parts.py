@@ -1,0 +1,428 @@
+"""Parts: learners' classes inside the engine, and `kvlearn.parts.check` that judges them.
+
+The correct parts below are written the way a learner would, outside the package: they inherit
+only the documented bases (the bookkeeping the chapters do not teach), never the finished classes.
+The buggy ones inherit the package's classes and break one rule each.
+"""
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from kvlearn import BlockManager, KVCapacityError, RadixCache, Sequence
+from kvlearn.allocator import PageAllocator
+from kvlearn.parts import PARTS, AllocatorBase, BlockManagerBase, CheckReport, RadixCacheBase, check
+from kvlearn.pool import KVPool
+from kvlearn.radix import MatchResult
+from kvlearn.serving.cache_modes import make_kv_manager
+from kvlearn.serving.config import EngineConfig
+
+
+# --- correct parts, written outside the package ------------------------------------------------
+
+class MyAllocator(AllocatorBase):
+    """A Python list as the stack of free pages, its top at the end."""
+
+    def __init__(self, num_pages, device=None):
+        super().__init__(num_pages, device)
+        self.stack = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self):
+        return self.stack[::-1]
+
+    def alloc(self, n):
+        if n > len(self.stack):
+            raise KVCapacityError(f"{n} pages asked for, {len(self.stack)} free")
+        taken = self.stack[len(self.stack) - n:][::-1]
+        del self.stack[len(self.stack) - n:]
+        return torch.tensor(taken, dtype=torch.int64, device=self.device)
+
+    def free(self, pages):
+        pages = pages.tolist()
+        if len(set(pages)) != len(pages) or set(pages) & set(self.stack):
+            raise ValueError("double free")
+        self.stack.extend(pages[::-1])
+
+
+class MyRadixCache(RadixCacheBase):
+    """Chapter 3 by hand: split on match, one leaf per insert, locks up the path, LRU by a scan."""
+
+    def reset(self):
+        super().reset()
+        self.clock = 0
+
+    def match_prefix(self, key):
+        key = self.aligned(self.as_key(key))
+        self.clock += 1
+        node, i, values = self.root, 0, []
+        while i < len(key):
+            child = node.children.get(self.child_key(key[i:]))
+            if child is None:
+                break
+            m, p = 0, self.page_size
+            while m < len(child.key) and child.key[m:m + p] == key[i + m:i + m + p]:
+                m += p
+            if m < len(child.key):
+                child = self.split(child, m)
+            child.last_access = self.clock
+            values.append(child.value)
+            node, i = child, i + m
+        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
+        return MatchResult(indices, node)
+
+    def split(self, child, k):
+        upper = self.new_node(child.key[:k], child.value[:k], child.parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.parent.children[self.child_key(child.key)] = upper
+        child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
+        upper.children[self.child_key(child.key)] = child
+        return upper
+
+    def insert(self, key, value):
+        key = self.as_key(key)
+        value = self.as_value(value, len(key))
+        key = self.aligned(key)
+        match = self.match_prefix(key)
+        n = len(match)
+        if n < len(key):
+            leaf = self.new_node(key[n:], value[n:len(key)].clone(), match.last_node)
+            leaf.last_access = self.clock
+            match.last_node.children[self.child_key(leaf.key)] = leaf
+        return n
+
+    def lock(self, node):
+        node.own_locks += 1
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node):
+        if node.own_locks == 0:
+            raise ValueError("unlock: this node was not locked")
+        node.own_locks -= 1
+        while node is not None:
+            node.lock_ref -= 1
+            node = node.parent
+
+    def evict(self, num_tokens):
+        freed = 0
+        while freed < num_tokens:
+            leaves = [n for n in self.nodes()[1:] if not n.children and n.lock_ref == 0]
+            if not leaves:
+                break
+            victim = min(leaves, key=lambda n: (n.last_access, n.id))
+            if self.evict_callback is not None:
+                self.evict_callback(victim.value)
+            del victim.parent.children[self.child_key(victim.key)]
+            victim.parent = None
+            freed += len(victim.key)
+        return freed
+
+
+class MyBlockManager(BlockManagerBase):
+    """Chapters 1-2 by hand: hash-chain lookup, tables, publish after compute, LRU reuse."""
+
+    def lookup(self, tokens):
+        hit, h, size = [], None, self.block_size
+        for i in range((len(tokens) - 1) // size if self.enable_prefix_caching else 0):
+            block_tokens = tokens[i * size:(i + 1) * size]
+            h = self.hash_fn(h, block_tokens)
+            b = self.hash_to_block_id.get(h)
+            if b is None or self.blocks[b].token_ids != block_tokens:
+                break
+            hit.append(b)
+        return hit
+
+    def num_cached_prefix(self, seq):
+        tokens = seq.token_ids if isinstance(seq, Sequence) else list(seq)
+        return len(self.lookup(tokens)) * self.block_size
+
+    def needed(self, seq, hit):
+        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit)
+
+    def can_allocate(self, seq):
+        self.check_new(seq)
+        return self.needed(seq, self.lookup(seq.token_ids)) <= self.num_free_blocks
+
+    def new_blocks(self, n):
+        fresh = min(n, self.allocator.num_free)
+        taken = (self.allocator.alloc(fresh).tolist() if fresh else []) + [self.evict_one() for _ in range(n - fresh)]
+        for b in taken:
+            self.blocks[b].ref_count = 1
+        return taken
+
+    def allocate(self, seq):
+        self.check_new(seq)
+        hit = self.lookup(seq.token_ids)
+        if self.needed(seq, hit) > self.num_free_blocks:
+            raise KVCapacityError("not enough free blocks")
+        for b in hit:
+            self.cached_blocks.pop(b, None)
+            self.blocks[b].ref_count += 1
+        seq.block_table[:] = hit + self.new_blocks(seq.num_blocks - len(hit))
+        seq.num_cached_tokens = len(hit) * self.block_size
+        self.live_seqs.add(seq.seq_id)
+
+    def hash_blocks(self, seq, num_computed_tokens=None):
+        self.check_live(seq)
+        n = seq.num_tokens if num_computed_tokens is None else num_computed_tokens
+        h, new = None, 0
+        for i in range(n // self.block_size if self.enable_prefix_caching else 0):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = self.hash_fn(h, seq.block(i)), seq.block(i)
+                self.hash_to_block_id.setdefault(block.hash, block.block_id)
+                new += 1
+            h = block.hash
+        return new
+
+    def can_append(self, seq):
+        self.check_live(seq)
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+
+    def may_append(self, seq):
+        self.check_live(seq)
+        need = seq.num_blocks - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise KVCapacityError("not enough free blocks")
+        seq.block_table.extend(self.new_blocks(need))
+
+    def deallocate(self, seq):
+        self.check_live(seq)
+        released = []
+        for b in reversed(seq.block_table):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and self.hash_to_block_id.get(block.hash) == b:
+                    self.cached_blocks[b] = None
+                else:
+                    self.forget(block)
+                    released.append(b)
+        if released:
+            self.allocator.free(torch.tensor(released))
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+        self.live_seqs.discard(seq.seq_id)
+
+    def slot_mapping(self, seq, start, end, device=None):
+        self.check_live(seq)
+        size = self.block_size
+        return torch.tensor([seq.block_table[p // size] * size + p % size for p in range(start, end)],
+                            dtype=torch.int64, device=device)
+
+
+MINE = {"allocator": MyAllocator, "radix_cache": MyRadixCache, "block_manager": MyBlockManager}
+
+
+# --- known-buggy parts -------------------------------------------------------------------------
+
+class NoOpLocks(RadixCache):
+    def lock(self, node):
+        pass
+
+    def unlock(self, node):
+        pass
+
+
+class KeepsEverything(BlockManager):
+    """deallocate frees nothing: the table goes, the blocks stay held."""
+
+    def deallocate(self, seq):
+        self.check_live(seq)
+        seq.block_table.clear()
+        self.live_seqs.discard(seq.seq_id)
+
+
+class HandsOutTwice(PageAllocator):
+    def alloc(self, n):
+        pages = super().alloc(n)
+        if n >= 2:
+            self.free(pages[1:2])   # the second page goes back on the free list while the caller holds it
+        return pages
+
+
+class Empty:
+    pass
+
+
+class LoopsForever(RadixCache):
+    def evict(self, num_tokens):
+        while True:
+            pass
+
+
+class Raises(BlockManager):
+    def allocate(self, seq):
+        raise KeyError(seq.seq_id)
+
+
+class Stub(AllocatorBase):
+    def __init__(self, num_pages, device=None):
+        super().__init__(num_pages, device)
+
+    @property
+    def free_pages(self):
+        raise NotImplementedError
+
+    def alloc(self, n):
+        raise NotImplementedError
+
+    def free(self, pages):
+        raise NotImplementedError
+
+
+class WrongType(RadixCache):
+    def match_prefix(self, key):
+        return super().match_prefix(key).indices.tolist()
+
+
+# --- check ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_the_package_parts_pass(name):
+    report = check(name, PARTS[name])
+    assert report.passed, report.message
+    assert report.calls > 1000 and "meets the" in repr(report)
+
+
+@pytest.mark.parametrize("name", sorted(MINE))
+def test_parts_written_outside_the_package_pass(name):
+    assert not issubclass(MINE[name], PARTS[name])
+    report = check(name, MINE[name])
+    assert report.passed, report.message
+
+
+BUGGY = [
+    ("radix_cache", NoOpLocks, ["cache.unlock(m1.last_node)", "Hint:", "own_locks"]),
+    ("block_manager", KeepsEverything, ["m.deallocate(s1)", "ref_count", "expected"]),
+    ("allocator", HandsOutTwice, ["alloc(", "expected", "free"]),
+    ("radix_cache", Empty, ["Not yet", "match_prefix", "lock"]),
+    ("block_manager", Raises, ["KeyError", "m.allocate(s1)"]),
+    ("allocator", Stub, ["Not yet", "NotImplementedError"]),
+    ("radix_cache", WrongType, ["match_prefix", "must return a MatchResult", "got list"]),
+]
+
+
+@pytest.mark.parametrize("name, impl, words", BUGGY, ids=[b[1].__name__ for b in BUGGY])
+def test_known_buggy_parts_fail_with_a_message(name, impl, words):
+    report = check(name, impl)
+    assert isinstance(report, CheckReport) and not report.passed
+    for word in words:
+        assert word in report.message, report.message
+    assert report.message in repr(report) and "FAILED" in repr(report)
+
+
+def test_no_op_locks_fail_on_the_sizes():
+    class NoOpLocksThatRemember(RadixCache):
+        """lock and unlock change no count, but unlock refuses a node that lock never saw."""
+
+        def reset(self):
+            super().reset()
+            self.seen = Counter()
+
+        def lock(self, node):
+            self.seen[node.id] += 1
+
+        def unlock(self, node):
+            if not self.seen[node.id]:
+                raise ValueError("never locked")
+            self.seen[node.id] -= 1
+
+    report = check("radix_cache", NoOpLocksThatRemember)
+    assert not report.passed and "protected_size: expected" in report.message, report.message
+    assert "lock(node) adds one to lock_ref" in report.message
+
+
+def test_the_first_failure_is_shrunk_to_a_few_calls():
+    report = check("block_manager", KeepsEverything)
+    calls = [line for line in report.message.splitlines() if line.startswith("    ")]
+    assert len(calls) <= 8, report.message
+
+
+def test_an_endless_loop_fails_within_the_time_limit():
+    report = check("radix_cache", LoopsForever, time_limit_s=1.0)
+    assert not report.passed and "did not return within 1 s" in report.message
+    assert "cache.evict(" in report.message.splitlines()[-3]
+
+
+def test_an_endless_loop_off_the_main_thread_fails_too():
+    released = threading.Event()
+
+    class LoopsUntilReleased(RadixCache):   # released at the end, so no thread keeps spinning
+        def evict(self, num_tokens):
+            while not released.is_set():
+                time.sleep(0.001)
+            return 0
+
+    reports = []
+    worker = threading.Thread(target=lambda: reports.append(check("radix_cache", LoopsUntilReleased,
+                                                                  time_limit_s=0.5)))
+    worker.start()
+    worker.join(30)
+    released.set()
+    assert reports and not reports[0].passed and "endless loop" in reports[0].message
+
+
+@pytest.mark.parametrize("impl", [None, 3, "RadixCache", lambda **kw: 1 / 0])
+def test_check_never_raises_because_of_the_part(impl):
+    report = check("radix_cache", impl)
+    assert not report.passed and report.message
+
+
+def test_the_report_is_the_same_every_time():
+    assert check("block_manager", KeepsEverything).message == check("block_manager", KeepsEverything).message
+
+
+def test_an_unknown_part_name_is_the_caller_s_error():
+    with pytest.raises(ValueError, match="'block_manager', 'radix_cache', 'allocator'"):
+        check("radix", RadixCache)
+
+
+# --- the engine's way in ---------------------------------------------------------------------
+
+def test_engine_config_checks_parts():
+    assert EngineConfig(cache="radix", parts={"radix_cache": MyRadixCache}).parts == {"radix_cache": MyRadixCache}
+    with pytest.raises(ValueError, match="Unknown part 'radix'.*'block_manager', 'radix_cache', 'allocator'"):
+        EngineConfig(parts={"radix": MyRadixCache})
+    with pytest.raises(TypeError, match="must be a class.*the parts are"):
+        EngineConfig(parts={"allocator": 3})
+    with pytest.raises(TypeError, match="dict"):
+        EngineConfig(parts=[MyAllocator])
+    with pytest.raises(ValueError, match="serves cache='blocks'"):
+        EngineConfig(cache="radix", parts={"block_manager": MyBlockManager})
+    with pytest.raises(ValueError, match="tiers"):
+        EngineConfig(cache="radix", host_slots=64, parts={"radix_cache": MyRadixCache})
+
+
+@pytest.mark.parametrize("cache, part", [("radix", "radix_cache"), ("blocks", "block_manager")])
+def test_the_kv_manager_is_built_from_the_parts(cache, part):
+    pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=MyAllocator)
+    kv = make_kv_manager(cache, pool, parts={part: MINE[part]})
+    assert type(kv.cache) is MINE[part] and type(pool.allocator) is MyAllocator
+    assert isinstance(make_kv_manager(cache, KVPool(1, 1, 1, 64, page_size=4)).cache, PARTS[part])  # missing: ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["radix", "blocks"])
+def test_parts_written_outside_the_package_serve_the_real_model(model, tokenizer, cache):
+    from kvlearn import Engine
+    from kvlearn.serving.workloads import make_workload
+
+    prompts = make_workload("shared_system", tokenizer, num_requests=3).prompt_lists()
+    part = "radix_cache" if cache == "radix" else "block_manager"
+    mine = {"allocator": MyAllocator, part: MINE[part]}
+    theirs = Engine(model, tokenizer, cache=cache, num_slots=1024)
+    ours = Engine(model, tokenizer, cache=cache, num_slots=1024, parts=mine)
+    assert type(ours.cache) is MINE[part] and type(ours.pool.allocator) is MyAllocator
+    expected = [out.token_ids for out in theirs.generate(prompts, max_new_tokens=8)]
+    assert [out.token_ids for out in ours.generate(prompts, max_new_tokens=8)] == expected
+    for key in ("prompt_tokens", "computed_prefill_tokens", "cached_tokens"):
+        assert ours.stats[key] == theirs.stats[key], key
+    assert ours.stats["cached_tokens"] > 0   # the learner's cache shared the system prompt
+    ours.evict_all()
+    assert ours.pool.num_free == ours.pool.num_slots
