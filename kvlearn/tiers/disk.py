@@ -323,10 +323,10 @@ class DiskStore:
             self._failed("read", e)
             return None, None, None
         try:
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
-                    return None, None, "not_regular"
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
+                return None, None, "not_regular"
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 n = len(MAGIC) + _HEADER_LEN.size
                 head = f.read(n)
                 if len(head) == n and head.startswith(MAGIC):
@@ -341,6 +341,8 @@ class DiskStore:
         except OSError as e:
             self._failed("read", e)
             return None, None, None
+        finally:
+            os.close(fd)
 
     @cached_property
     def _max_header_bytes(self) -> int:
