@@ -313,6 +313,19 @@ def test_route_runs_a_fleet_that_fits(tmp_path):
     assert '"requests": 20' in done.stdout
 
 
+def test_an_allocation_the_estimate_missed_is_a_clear_error_too(tmp_path, monkeypatch, capsys):
+    from kvlearn.routing import cli, fleet
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(fleet, "SimReplica", out_of_memory)  # where a replica allocates
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "arrival": 0, "prompt_ids": [1, 2], "max_new_tokens": 2}\n')
+    assert cli.main(["--trace", str(trace), "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "--replicas" in err and "DefaultCPUAllocator" not in err
+
+
 def test_a_binary_or_non_utf8_trace_is_refused_with_its_name_and_line(tmp_path):
     binary = tmp_path / "trace.bin"
     binary.write_bytes(bytes([0x1f, 0xc7, 0x08, 0x00]) + os.urandom(64))

@@ -9,6 +9,8 @@ multi-tenant one instead (`--save-trace` writes it out). `--policy all` runs eve
 same trace. The table (or, with --json, one JSON object per policy and line) reports the hit rate,
 load imbalance (busiest replica's busy time over the mean), TTFT percentiles and throughput, all in
 the simulated time of the time model (`--time-model`, default: the one committed with kvlearn).
+Before building anything, it estimates the memory the fleet preallocates (each replica's pool and
+request table) and refuses, saying what to change, a fleet that does not fit in what is available.
 """
 
 from __future__ import annotations
@@ -79,13 +81,13 @@ REPLICA_OVERHEAD_BYTES = 16_384  # a simulated replica's Python objects (schedul
 
 
 def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int) -> tuple[int, int]:
-    """What `simulate_fleet` preallocates: (bytes in all, bytes of one replica's request table).
+    """What `simulate_fleet` preallocates: (bytes in all, rows of each replica's request table).
     Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
     and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
     int64 slots, the largest part."""
     pages = slots // page_size
-    table = min(max_running, max(pages, 1)) * slots * 8
-    return replicas * (table + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), table
+    rows = min(max_running, max(pages, 1))
+    return replicas * (rows * slots * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
 
 
 def available_bytes() -> int | None:
@@ -112,15 +114,14 @@ def available_bytes() -> int | None:
 
 def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int) -> None:
     """Refuse, before anything is built, a fleet that would not fit in the memory left."""
-    need, table = fleet_bytes(replicas, slots, page_size, max_running)
+    need, rows = fleet_bytes(replicas, slots, page_size, max_running)
     have = available_bytes()
     if have is not None and need > have:
         gb = 1024 ** 3
-        rows = min(max_running, max(slots // page_size, 1))
         raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB ({replicas:,} replicas x "
                           f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
-                          f"{table / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use fewer "
-                          "--replicas or a smaller --slots-per-replica.")
+                          f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
+                          "fewer --replicas or a smaller --slots-per-replica.")
 
 
 def _trace(args):
@@ -151,8 +152,8 @@ def _run(args) -> int:
     check_positive_int("--slots-per-replica", args.slots_per_replica, " (KV slots per replica)")
     if args.page_size is not None:
         check_positive_int("--page-size", args.page_size, " (tokens per page)")
-    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache),
-                       inspect.signature(simulate_fleet).parameters["max_running"].default)
+    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows)
     time_model = TimeModel.load(args.time_model) if args.time_model else None
     trace = _trace(args)
     policies = POLICIES if args.policy == "all" else (args.policy,)

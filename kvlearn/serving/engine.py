@@ -276,8 +276,10 @@ class Engine:
         finds it). Idempotent; `with Engine(...) as engine:` calls it on the way out."""
         with self._one_caller():
             s = self.scheduler
-            s.abort(list(s.running) + list(s.waiting))
-            self.kv.flush()
+            try:
+                s.abort(list(s.running) + list(s.waiting))
+            finally:
+                self.kv.flush()
 
     def __enter__(self) -> "Engine":
         return self

@@ -16,10 +16,9 @@ Invariants:
   truncated or foreign file, a flipped bit in the KV waits for `get`'s checksum);
 - with a capacity (`max_bytes`), the entries' files never take more than `max_bytes` after a
   write: before it, the least recently used entries are deleted until the new one fits;
-- an entry is opened without following a link and without blocking, must be a regular file no
-  larger than an entry can be, and is read up to that size only: a link, a FIFO, a device or a
-  folder under an entry's name is a miss (reason "link" or "not_regular"), in bounded time and
-  memory;
+- an entry is opened without following a link and without blocking, must be a regular file, and
+  is read no further than a header and a page of this store: a link, a FIFO, a device or a folder
+  under an entry's name is a miss (reason "link" or "not_regular"), in bounded time and memory;
 - the store is a cache, never a reason to fail: an OS error on any operation (write, rename, stamp,
   read, listing, delete: a read-only or full file system, a folder gone or replaced by a file, a
   folder under an entry's name, no permission, an I/O error) drops the page or makes the read a
@@ -141,7 +140,7 @@ class DiskStore:
         return self.folder / f"{key:016x}.kv"
 
     def files(self) -> list[Path]:
-        """The entries' names (not temporary files of writes in progress, nor other files), sorted;
+        """The entries' files (not temporary files of writes in progress, nor other files), by name;
         none if the folder cannot be listed (an OS error, counted)."""
         return sorted(path for _, _, _, path in self._listed())
 
@@ -283,14 +282,14 @@ class DiskStore:
         """The page stored under `key` for exactly these tokens, or None (a miss, counted by reason,
         or an OS error, counted by kind)."""
         header, payload, reason = self._load(key, payload=True)
-        if reason is None and header is not None and header["tokens"] != list(map(int, tokens)):
+        if header is None:  # a miss, or an OS error (counted)
+            return None if reason is None else self._refuse(key, reason)
+        if header["tokens"] != list(map(int, tokens)):
             reason = "foreign"  # same hash, other tokens: a collision, never KV for these tokens
-        if reason is None and header is not None and xxhash.xxh64_hexdigest(payload) != header["xxh64"]:
+        elif xxhash.xxh64_hexdigest(payload) != header["xxh64"]:
             reason = "corrupt"
         if reason is not None:
             return self._refuse(key, reason)
-        if header is None:  # an OS error (counted)
-            return None
         self.touch(key)
         self.stats["pages_read"] += 1
         return torch.frombuffer(bytearray(payload), dtype=self.dtype).reshape(self.page_shape)
@@ -302,17 +301,18 @@ class DiskStore:
         if key in self._bad:
             return False
         header, _, reason = self._load(key, payload=False)
-        if reason is None and header is not None and header["tokens"] != list(map(int, tokens)):
+        if header is not None and header["tokens"] != list(map(int, tokens)):
             reason = "foreign"
         if reason is not None:
             self._refuse(key, reason)
-        return reason is None and header is not None
+            return False
+        return header is not None  # (None: an OS error, counted)
 
     def _load(self, key: int, payload: bool) -> tuple[dict | None, bytes | None, str | None]:
         """The entry's header and, if asked, its payload: (header, payload or None, None) for a file
         of this store's kind and the right size; (None, None, reason) for a miss; (None, None, None)
         after an OS error (counted). The file is opened without following a link or blocking, must
-        be a regular file, and is read no further than an entry of this store can be."""
+        be a regular file, and is read no further than a header and this store's page."""
         try:
             fd = os.open(self.path(key), _OPEN_FLAGS)
         except FileNotFoundError:
@@ -396,7 +396,7 @@ class DiskStore:
             self._warned = True
             warnings.warn(f"kvlearn disk tier: {operation} in {str(self.folder)!r} failed ({name or 'OSError'}: "
                           f"{error.strerror or error}); the disk tier drops pages and misses while this "
-                          "lasts (counted in stats['disk_errors']), and resumes when the folder works again.",
+                          "lasts (counted in stats: the engine's 'disk_errors'), and resumes when the folder works again.",
                           RuntimeWarning, stacklevel=3)
 
 

@@ -53,8 +53,7 @@ class TieredRadixKV(RadixKV):
         """Write down what the device and host tiers hold, so that a restart finds it: under
         write_back the disk gets only what leaves memory, so without this a clean exit would leave
         it behind (write_through has written it already). Idempotent; nothing without a disk."""
-        if self.tree.disk is not None:
-            self.tree.flush()
+        self.tree.flush()
 
     def cached_len(self, token_ids: list[int]) -> int:
         return self.tree.reachable_len(token_ids[:-1])
