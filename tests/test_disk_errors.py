@@ -55,7 +55,8 @@ def failing(monkeypatch, operation: str, error: int, folder):
         fake = _broken(tempfile.mkstemp, error, folder, path_arg=None)
         monkeypatch.setattr(tempfile, "mkstemp", fake)
     else:
-        name = {"replace": "replace", "stamp": "utime", "read": "open", "list": "scandir", "delete": "unlink"}[operation]
+        name = {"replace": "replace", "stamp": "utime", "read": "open", "list": "scandir",
+                "delete": "unlink"}[operation]
         fake = _broken(getattr(os, name), error, folder)
         monkeypatch.setattr(os, name, fake)
     try:

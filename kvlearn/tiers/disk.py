@@ -395,9 +395,9 @@ class DiskStore:
         if not self._warned:
             self._warned = True
             warnings.warn(f"kvlearn disk tier: {operation} in {str(self.folder)!r} failed ({name or 'OSError'}: "
-                          f"{error.strerror or error}); the disk tier drops pages and misses while this "
-                          "lasts (counted in stats: the engine's 'disk_errors'), and resumes when the folder works again.",
-                          RuntimeWarning, stacklevel=3)
+                          f"{error.strerror or error}); the disk tier drops pages and misses while this lasts "
+                          "(counted in stats: the engine's 'disk_errors'), and resumes when the folder works "
+                          "again.", RuntimeWarning, stacklevel=3)
 
 
 def _is_entry(name: str) -> bool:
