@@ -9,11 +9,14 @@ multi-tenant one instead (`--save-trace` writes it out). `--policy all` runs eve
 same trace. The table (or, with --json, one JSON object per policy and line) reports the hit rate,
 load imbalance (busiest replica's busy time over the mean), TTFT percentiles and throughput, all in
 the simulated time of the time model (`--time-model`, default: the one committed with kvlearn).
+Before building anything, it estimates the memory the fleet preallocates (each replica's pool and
+request table) and refuses, saying what to change, a fleet that does not fit in what is available.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -91,6 +94,53 @@ def _policy_options(args, policy: str) -> dict:
     return options
 
 
+REPLICA_OVERHEAD_BYTES = 16_384  # a simulated replica's Python objects (scheduler, KV manager, tree), measured
+
+
+def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int) -> tuple[int, int]:
+    """What `simulate_fleet` preallocates: (bytes in all, rows of each replica's request table).
+    Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
+    and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
+    int64 slots, the largest part."""
+    pages = slots // page_size
+    rows = min(max_running, max(pages, 1))
+    return replicas * (rows * slots * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still take: the machine's MemAvailable, capped by an address-space
+    limit (ulimit -v) less what the process maps already; None if neither is known."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * resource.getpagesize()
+        except (OSError, ValueError, IndexError):
+            mapped = 0
+        limits.append(max(soft - mapped, 0))
+    return min(limits) if limits else None
+
+
+def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int) -> None:
+    """Refuse, before anything is built, a fleet that would not fit in the memory left."""
+    need, rows = fleet_bytes(replicas, slots, page_size, max_running)
+    have = available_bytes()
+    if have is not None and need > have:
+        gb = 1024 ** 3
+        raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB ({replicas:,} replicas x "
+                          f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
+                          f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
+                          "fewer --replicas or a smaller --slots-per-replica.")
+
+
 def _trace(args):
     from kvlearn.routing.traces import multi_tenant_trace, read_trace, write_trace
 
@@ -108,6 +158,7 @@ def _trace(args):
 def _run(args) -> int:
     from kvlearn.routing.fleet import simulate_fleet
     from kvlearn.routing.timemodel import TimeModel, calibrate
+    from kvlearn.serving.cache_modes import default_page_size
 
     if args.calibrate:
         model = calibrate(progress=lambda line: print(line, file=sys.stderr))
@@ -116,6 +167,10 @@ def _run(args) -> int:
         return 0
     check_positive_int("--replicas", args.replicas, " (replicas in the fleet)")
     check_positive_int("--slots-per-replica", args.slots_per_replica, " (KV slots per replica)")
+    if args.page_size is not None:
+        check_positive_int("--page-size", args.page_size, " (tokens per page)")
+    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows)
     time_model = TimeModel.load(args.time_model) if args.time_model else None
     trace = _trace(args)
     policies = POLICIES if args.policy == "all" else (args.policy,)
@@ -139,6 +194,12 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, TypeError, FileNotFoundError, KVCapacityError) as e:
+    except (ValueError, TypeError, FileNotFoundError, KVCapacityError, MemoryError) as e:
         print(f"route: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # torch's allocator, should the estimate have missed: no raw traceback
+        if "can't allocate memory" not in str(e):
+            raise
+        print("route: error: out of memory building or running the fleet: use fewer --replicas or a smaller "
+              "--slots-per-replica.", file=sys.stderr)
         return 2

@@ -131,8 +131,14 @@ def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_er
     if not path.is_file():
         raise FileNotFoundError(f"No trace file at {path}: give a JSON Lines file (one request per line).")
     rows, errors, seen = [], [], {}
-    with path.open(encoding="utf-8") as lines:
-        for number, text in enumerate(lines, 1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # a binary file, or another encoding: not a trace
+                raise TraceError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); nothing was simulated: a trace is JSON Lines, UTF-8 "
+                                 "text with one request per line.") from None
             if not text.strip():
                 continue
             try:

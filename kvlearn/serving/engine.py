@@ -243,6 +243,24 @@ class Engine:
         stats.update({k: v - self._tier_start[k] for k, v in tier_counters(self.kv).items()})
         return stats
 
+    def close(self) -> None:
+        """End of service: requests still queued or running are aborted (what they computed joins
+        the cache), then the KV manager writes down what must outlive the engine (`KVManager.flush`:
+        with chapter 8's write_back, the device's and host's KV goes to the disk folder, so a restart
+        finds it). Idempotent; `with Engine(...) as engine:` calls it on the way out."""
+        with self._one_caller():
+            s = self.scheduler
+            try:
+                s.abort(list(s.running) + list(s.waiting))
+            finally:
+                self.kv.flush()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def evict_all(self) -> int:
         """Drop every cached token no request is using (tokens freed); with nothing running,
         every slot of the pool is free afterwards (`pool.num_free == pool.num_slots`), in every mode."""

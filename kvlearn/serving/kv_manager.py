@@ -139,6 +139,11 @@ class KVManager(ABC):
     def evict_all(self) -> int:
         """Mutation: drop every cached token nobody uses; returns how many."""
 
+    def flush(self) -> None:
+        """Mutation: write down whatever must outlive this manager (called by `Engine.close`, once
+        no request runs); idempotent. Nothing here: a tiered manager (chapter 8) writes what its
+        memory tiers hold to its disk tier."""
+
     # --- shared bookkeeping for subclasses --------------------------------------------------------
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size)

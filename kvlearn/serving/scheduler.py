@@ -261,10 +261,11 @@ class Scheduler:
 
     def abort(self, requests: list[Request]) -> None:
         """Take these requests out (after a failed or interrupted step): running ones give back
-        their KV as a preemption would, waiting ones leave the queue; all end "aborted". One
-        failing release does not stop the others; each failed one is tried once more (a release
-        can be repeated), and the first error is raised at the end if that fails too."""
-        failed = []
+        their KV as a preemption would, waiting ones leave the queue; all end "aborted". A failing
+        release stops nothing: that request is released again at once without caching anything
+        (`num_computed` 0: its KV only goes back, a release can be repeated), the others follow,
+        and only then is the first error raised."""
+        errors = []
         for req in requests:
             if req.status == RequestStatus.WAITING and req in self.waiting:
                 self.waiting.remove(req)
@@ -273,13 +274,14 @@ class Scheduler:
                 try:
                     self._leave(req, RequestStatus.ABORTED)
                 except BaseException as err:
-                    failed.append((req, err))
-        for req, err in failed:
-            if req.status == RequestStatus.RUNNING:
-                try:
-                    self._leave(req, RequestStatus.ABORTED)
-                except BaseException:
-                    raise err from None
+                    errors.append(err)
+                    req.num_computed = 0
+                    try:
+                        self._leave(req, RequestStatus.ABORTED)
+                    except BaseException as again:
+                        errors.append(again)
+        if errors:
+            raise errors[0]
 
     def _leave(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """A running request gives its KV back and leaves `running`."""

@@ -18,7 +18,7 @@ from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import RadixKV
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
-from kvlearn.tiers.disk import DiskStore, check_folder, model_identity
+from kvlearn.tiers.disk import MISS_REASONS, DiskStore, check_folder, model_identity
 from kvlearn.tiers.host import host_pool_for
 from kvlearn.tiers.tree import TIER_STATS, WRITE_POLICIES, TieredRadixCache
 
@@ -37,14 +37,23 @@ class TieredRadixKV(RadixKV):
 
     @property
     def tier_stats(self) -> dict:
-        """Cumulative: tokens offloaded and loaded back per tier, and disk entries refused by reason."""
+        """Cumulative: tokens offloaded and loaded back per tier; with a disk, its pages written and
+        evicted, entries refused (damaged, foreign, not a regular file) and OS errors (`disk_errors`,
+        and `disk_errors_<kind>` by errno: the disk dropped pages or missed, the engine went on)."""
         stats = dict(self.tree.stats)
         if self.tree.disk is not None:
             disk = self.tree.disk.stats
             stats["disk_pages_written"] = disk["pages_written"]
             stats["disk_pages_evicted"] = disk["pages_evicted"]
-            stats["disk_entries_rejected"] = disk["miss_truncated"] + disk["miss_corrupt"] + disk["miss_foreign"]
+            stats["disk_entries_rejected"] = sum(disk[f"miss_{r}"] for r in MISS_REASONS if r != "missing")
+            stats.update({f"disk_{k}": v for k, v in disk.items() if k.startswith("errors")})
         return stats
+
+    def flush(self) -> None:
+        """Write down what the device and host tiers hold, so that a restart finds it: under
+        write_back the disk gets only what leaves memory, so without this a clean exit would leave
+        it behind (write_through has written it already). Idempotent; nothing without a disk."""
+        self.tree.flush()
 
     def cached_len(self, token_ids: list[int]) -> int:
         return self.tree.reachable_len(token_ids[:-1])

@@ -27,7 +27,10 @@ Invariants (`check_invariants`, on top of chapter 3's):
   device) and unlocked off-device leaves (they leave the tree, written to disk first);
 - the disk, if it has a capacity, deletes its least recently used pages to make room for a new
   one (`kvlearn.tiers.disk`); a node leaving memory writes again the pages the disk has dropped
-  (or found bad) since, and stamps the others as just used.
+  (or found bad) since, and stamps the others as just used;
+- the disk is a cache: a page it cannot write (an OS error, counted by the store) is dropped, and
+  a node is marked as on disk only once all its pages are there, so a later write tries again;
+- `flush` writes down what the device and host hold (a clean exit: see `TieredRadixKV.flush`).
 
 Faults: each method that moves KV between tiers makes its fallible call (a pool's free, a host
 allocation, a disk write) before it changes the tree, so an exception there leaves every tier whole
@@ -416,14 +419,27 @@ class TieredRadixCache(RadixCache):
         keys, path, tokens = self._disk_keys(node)
         p = self.disk.page_tokens
         first = (len(tokens) - len(node.key)) // p
+        written = True  # every page is on disk: a page the disk refused (an OS error) is dropped
         for i, key in enumerate(keys, start=first):
             page = tokens[i * p:(i + 1) * p]
             if not self.disk.holds(key, page):  # absent, or bad (known, or seen in its header)
-                self.disk.put(key, page, self._gather(path, i * p, (i + 1) * p))
-                self.stats["offloaded_tokens"] += p
+                if self.disk.put(key, page, self._gather(path, i * p, (i + 1) * p)):
+                    self.stats["offloaded_tokens"] += p
+                else:
+                    written = False
             elif leaving:
                 self.disk.touch(key)
-        self._on_disk.add(node.id)
+        if written:  # else the next persist of this node tries again
+            self._on_disk.add(node.id)
+
+    def flush(self) -> int:
+        """Write to disk every full page of the tree not there yet, from whichever tier holds it (a
+        clean exit under write_back, whose disk gets only what leaves memory). Returns tokens
+        written; idempotent: a second call writes nothing (unless the disk refused some before)."""
+        before = self.stats["offloaded_tokens"]
+        for node in self.nodes()[1:]:
+            self._persist(node)
+        return self.stats["offloaded_tokens"] - before
 
     def _disk_keys(self, node: TreeNode) -> tuple[list[int], list[TreeNode], list[int]]:
         """The disk keys of the full pages that end inside `node`, its path and the path's tokens."""
