@@ -3,6 +3,7 @@
 import gzip
 import json
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from kvlearn.radix import RadixCache
 from kvlearn.routing.cli import main as route
 from kvlearn.routing.mooncake import (MooncakeRequest, MooncakeTrace, is_mooncake, mooncake_trace_path,
                                       read_mooncake)
-from kvlearn.routing.replay import hit_rate_curve, replay
+from kvlearn.routing.replay import PAPER_CACHE_RATIO, figure9, replay, tail_bound
 from kvlearn.routing.replay import main as replay_cli
 from kvlearn.routing.traces import TraceError, read_trace
 
@@ -245,3 +246,46 @@ def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     unbounded = replay(read_mooncake(path), None)
     assert 0 < result["hit_rate"] <= unbounded.hit_rate + 1e-9   # a bounded pool with outputs in it hits less
     assert time.perf_counter() - start < 120
+
+
+def block_lru(trace: MooncakeTrace, capacity_tokens: int) -> float:
+    """An LRU of blocks, no tree: a prompt hits its longest run of cached leading blocks, then
+    touches its blocks last to first, so a prefix is always more recent than its extensions."""
+    size, lru, cached = trace.block_size, OrderedDict(), 0
+    for r in trace.requests:
+        full = r.blocks[:r.input_length // size]
+        k = 0
+        while k < len(full) and full[k] in lru:
+            k += 1
+        cached += k * size
+        for b in reversed(full):
+            lru[b] = None
+            lru.move_to_end(b)
+        while len(lru) > capacity_tokens // size:
+            lru.popitem(last=False)
+    return cached / trace.prompt_tokens
+
+
+def test_replay_agrees_with_a_block_lru_on_the_conversation_trace():
+    trace = read_mooncake(mooncake_trace_path("conversation"))
+    for capacity in (1_000_000, 3_000_000, 10_000_000):
+        assert abs(replay(trace, capacity).hit_rate - block_lru(trace, capacity)) < 0.01
+
+
+# --- Figure 9 --------------------------------------------------------------------------------------
+
+def test_figure9_numbers_and_picture():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlearn.viz.capacity import plot_hit_rate_curves
+
+    (at_3m, at_50m, unbounded), = figure9(("synthetic",), (3_000_000, 50_000_000)).values()
+    assert unbounded.capacity_tokens is None
+    # the numbers figure9's docstring quotes, and the paper's findings: 3M < half the maximum, 50M ~ all
+    assert (round(at_3m.hit_rate, 3), round(at_50m.hit_rate, 3), round(unbounded.hit_rate, 3)) == (0.32, 0.65, 0.65)
+    assert at_3m.hit_rate < unbounded.hit_rate / 2 and at_50m.hit_rate > 0.99 * unbounded.hit_rate
+    assert unbounded.hit_rate < PAPER_CACHE_RATIO["synthetic"] < tail_bound(read_mooncake(mooncake_trace_path("synthetic")))
+    fig = plot_hit_rate_curves({"synthetic": [at_3m, at_50m, unbounded]}, PAPER_CACHE_RATIO, 3_000_000)
+    (ax,) = fig.axes
+    assert "49% of max" in [t.get_text() for t in ax.texts]
+    assert "synthetic: paper (Table 2), 66%" in [t.get_text() for t in ax.get_legend().get_texts()]
