@@ -23,13 +23,13 @@ output length (`max_new_tokens`, at least 1). The bundled traces: `mooncake_trac
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlearn.errors import check_positive_int
+from kvlearn.routing.jsonlines import bad_lines, json_lines, open_lines
 from kvlearn.routing.traces import FIRST_TOKEN_ID, TraceError, TraceRequest
 
 BLOCK_SIZE = 512                # tokens per hash id in the Mooncake release
@@ -101,17 +101,10 @@ def mooncake_trace_path(name: str) -> Path:
     return DATA / BUNDLED[name]
 
 
-def _open(path: Path):
-    """The file's lines as bytes, gunzipped when it starts with gzip's magic bytes."""
-    with path.open("rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gzipped else path.open("rb")
-
-
 def is_mooncake(path) -> bool:
     """Whether the first non-empty line of `path` is a JSON object with a `hash_ids` field."""
     try:
-        with _open(Path(path)) as lines:
+        with open_lines(Path(path)) as lines:
             for raw in lines:
                 if raw.strip():
                     row = json.loads(raw)
@@ -174,32 +167,18 @@ def read_mooncake(path, block_size: int = BLOCK_SIZE, max_errors: int = 20) -> M
     dense: dict = {}              # hash id -> dense block id
     before: dict = {}             # hash id -> (the id before it, line where seen first)
     requests, errors = [], []
-    with _open(path) as lines:
-        for number, raw in enumerate(lines, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                errors.append(f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
-                continue
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                errors.append(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            problem = _check_row(row, block_size)
-            if problem is None:
-                problem = _check_prefixes(row["hash_ids"], number, before)
-            if problem is not None:
-                errors.append(f"{path}:{number}: {problem}")
-                continue
-            blocks = tuple(dense.setdefault(h, len(dense)) for h in row["hash_ids"])
-            requests.append(MooncakeRequest(number, row["timestamp"] / 1000, row["input_length"],
-                                            row["output_length"], blocks))
+    for number, row in json_lines(path, errors):
+        problem = _check_row(row, block_size)
+        if problem is None:
+            problem = _check_prefixes(row["hash_ids"], number, before)
+        if problem is not None:
+            errors.append(f"{path}:{number}: {problem}")
+            continue
+        blocks = tuple(dense.setdefault(h, len(dense)) for h in row["hash_ids"])
+        requests.append(MooncakeRequest(number, row["timestamp"] / 1000, row["input_length"], row["output_length"],
+                                        blocks))
     if errors:
-        shown = errors[:max_errors] + ([f"... and {len(errors) - max_errors} more"] if len(errors) > max_errors else [])
-        raise TraceError(f"{len(errors)} bad line(s) in the Mooncake trace; nothing was read:\n  " + "\n  ".join(shown))
+        raise TraceError(bad_lines(errors, max_errors, "the Mooncake trace; nothing was read"))
     if not requests:
         raise TraceError(f"{path} holds no requests: write one JSON object per line.")
     requests.sort(key=lambda r: r.arrival)
