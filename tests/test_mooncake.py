@@ -232,6 +232,7 @@ def test_unit_keys_replay_equals_the_token_level_replay(trace, capacity, page_si
 
 # --- route on real traffic -------------------------------------------------------------------------
 
+@pytest.mark.slow   # 7M prompt tokens through the fleet simulator: about 25 s of CPU
 def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     with gzip.open(mooncake_trace_path("conversation"), "rt") as f:
         head = [next(f) for _ in range(500)]
