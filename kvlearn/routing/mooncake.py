@@ -67,10 +67,6 @@ class MooncakeTrace:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __getitem__(self, index: slice) -> MooncakeTrace:
-        """The requests of a slice, as a trace (e.g. `trace[:500]`)."""
-        return MooncakeTrace(self.path, self.block_size, self.requests[index], self.num_blocks)
-
     def __repr__(self) -> str:
         return (f"MooncakeTrace({self.path.name}, {len(self):,} requests, {self.prompt_tokens:,} prompt tokens, "
                 f"{self.num_blocks:,} blocks of {self.block_size})")

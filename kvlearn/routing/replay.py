@@ -12,8 +12,8 @@ more than `capacity_tokens // page_size` pages. Hit rate = cached prompt tokens 
 `--trace` takes a file or a bundled trace's name (conversation, synthetic).
 
 Why it is fast (a page is one key; nothing per token in Python). Token-level, the prompt of a
-request is its blocks' token ids (`kvlearn.routing.mooncake`: block b holds ids b*B + j, shared
-with no other block), cut to `input_length`, in a RadixCache with pages of P tokens, which holds
+request is its blocks' token ids (`kvlearn.routing.mooncake`: block b holds B token ids of its
+own, the j-th of them b*B + j plus an offset), cut to `input_length`, in a RadixCache with pages of P tokens, which holds
 only the first floor(L / P) pages of a prompt of L tokens. Cut every prompt into units of
 g = gcd(P, B) tokens: a unit never straddles a block or a page boundary, and two prompts agree on
 a unit exactly when they agree on its block, so the unit (b, i) (i-th unit of block b) can stand
