@@ -10,6 +10,7 @@ COMMANDS = {
     "check": ("kvlearn.workshop.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
     "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
     "route": ("kvlearn.routing.cli", "a trace on a fleet of replicas behind each routing policy, simulated (chapter 7)"),
+    "replay": ("kvlearn.routing.replay", "a Mooncake production trace through one prefix cache per capacity: hit rates (chapter 7)"),
     "record": ("kvlearn.workshop.record", "re-execute notebooks in place on a quiet machine, recording the load in their metadata"),
     "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
 }

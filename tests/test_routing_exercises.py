@@ -7,6 +7,7 @@ import nbformat
 
 from kvlearn.exercises import NOT_YET, OK, ch07
 from kvlearn.routing.policies import LeastLoad, Policy, RoundRobin
+from kvlearn.routing.replay import replay
 from kvlearn.workshop.student import student_copy
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "07_routing.ipynb"
@@ -43,6 +44,24 @@ def test_policy_checker(capsys):
     assert out.count(OK) == 1 and out.count(NOT_YET) == 3 and "split" in out
 
 
+def capacity_for(trace, share):
+    target = share * replay(trace).hit_rate
+    low, high = 10**4, 10**9
+    while high > 1.1 * low:
+        mid = int((low * high) ** 0.5)
+        low, high = (low, mid) if replay(trace, mid).hit_rate >= target else (mid, high)
+    return high
+
+
+def test_capacity_checker(capsys):
+    assert ch07.check_capacity(capacity_for)
+    assert not ch07.check_capacity(lambda trace, share: 3_000_000)       # too small
+    assert not ch07.check_capacity(lambda trace, share: 10**9)           # enough, but far from the smallest
+    assert not ch07.check_capacity(lambda trace, share: None)
+    out = capsys.readouterr().out
+    assert out.count(OK) == 1 and out.count(NOT_YET) == 3 and "search higher" in out and "lower" in out
+
+
 def test_student_stubs_get_not_yet(capsys):
     student = student_copy(nbformat.read(NOTEBOOK, as_version=4))
     namespace = {}
@@ -50,4 +69,4 @@ def test_student_stubs_get_not_yet(capsys):
         if cell.cell_type == "code" and "your " in cell.source:
             exec(cell.source, namespace)
     out = capsys.readouterr().out
-    assert out.count(NOT_YET) == 2 and OK not in out
+    assert out.count(NOT_YET) == 3 and OK not in out

@@ -1,6 +1,8 @@
-"""Chapter 7 exercises: tune cache_aware's thresholds for a hot tenant, and write a routing policy."""
+"""Chapter 7 exercises: tune cache_aware's thresholds for a hot tenant, write a routing policy, and
+size a cache for real traffic."""
 
 from functools import lru_cache
+from numbers import Integral
 
 from kvlearn.exercises import attempt, report
 
@@ -76,4 +78,38 @@ def check_policy(policy_class) -> bool:
     if result.hit_rate < baseline.hit_rate + 0.10:
         return report(False, f"hit rate {result.hit_rate:.1%}, round_robin {baseline.hit_rate:.1%}: send new sessions "
                              "where the load is lowest (view.least_loaded()).")
+    return report(True, "")
+
+
+@lru_cache(maxsize=None)
+def _synthetic():
+    from kvlearn.routing.mooncake import mooncake_trace_path, read_mooncake
+    from kvlearn.routing.replay import replay
+
+    trace = read_mooncake(mooncake_trace_path("synthetic"))
+    return trace, replay(trace).hit_rate
+
+
+def check_capacity(capacity_for) -> bool:
+    """Exercise 3: `capacity_for(trace, share)` returns the smallest cache capacity, in tokens and
+    within 10 %, at which an LRU replay of the Mooncake `trace` reaches `share` of its unbounded
+    hit rate. Checked on the bundled synthetic trace at share 0.9: the answer C must reach it and
+    C / 1.1 must not."""
+    from kvlearn.routing.replay import replay
+
+    trace, best = _synthetic()
+    answer, error = attempt(capacity_for, trace, 0.9)
+    if error:
+        return report(False, error)
+    if isinstance(answer, bool) or not isinstance(answer, Integral) or answer < 0:
+        return report(False, f"capacity_for must return a number of tokens (an int >= 0), got {answer!r}.")
+    target, answer = 0.9 * best, int(answer)
+    reached = replay(trace, answer).hit_rate
+    if reached < target:
+        return report(False, f"{answer:,} tokens give a hit rate of {reached:.1%}, under 90 % of the unbounded "
+                             f"{best:.1%}: search higher.")
+    smaller = int(answer / 1.1)
+    if replay(trace, smaller).hit_rate >= target:
+        return report(False, f"{smaller:,} tokens already reach 90 % of {best:.1%}: the smallest capacity is lower "
+                             "(bisect between a capacity that misses and one that reaches, until they are within 10 %).")
     return report(True, "")

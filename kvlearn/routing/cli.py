@@ -4,7 +4,8 @@
     python -m kvlearn route --generate 20000 --tenants 64 --replicas 16 --policy all --json
     python -m kvlearn route --calibrate --time-model my_machine.json
 
-`--trace` reads a JSON Lines trace (see kvlearn.routing.traces); `--generate N` makes a seeded
+`--trace` reads a JSON Lines trace (see kvlearn.routing.traces; a Mooncake trace too, see
+kvlearn.routing.mooncake); `--generate N` makes a seeded
 multi-tenant one instead (`--save-trace` writes it out). `--policy all` runs every policy on the
 same trace. The table (or, with --json, one JSON object per policy and line) reports the hit rate,
 load imbalance (busiest replica's busy time over the mean), TTFT percentiles and throughput, all in
@@ -42,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--trace", metavar="FILE.jsonl", help="JSON Lines trace: id, arrival, prompt_ids or prompt, "
                                                               "max_new_tokens, optional session")
     source.add_argument("--generate", type=int, metavar="N", help="a seeded multi-tenant trace of N requests")
+    source.add_argument("--block-size", type=int, default=512, help="tokens per hash id of a Mooncake trace "
+                                                                    "(lines with hash_ids, gzipped or not)")
     gen = p.add_argument_group("generated trace")
     gen.add_argument("--tenants", type=int, default=32, help="tenants (apps with their own system prompt)")
     gen.add_argument("--rate", type=float, default=20.0, help="requests per second on average")
@@ -147,7 +150,7 @@ def _trace(args):
     if (args.trace is None) == (args.generate is None):
         raise ValueError("Give exactly one of --trace FILE.jsonl and --generate N.")
     if args.trace is not None:
-        return read_trace(args.trace)
+        return read_trace(args.trace, block_size=args.block_size)
     trace = multi_tenant_trace(args.generate, num_tenants=args.tenants, rate=args.rate,
                                hot_tenant_share=args.hot_tenant, burstiness=args.burstiness, seed=args.seed)
     if args.save_trace:

@@ -6,6 +6,8 @@ A trace is a list of `TraceRequest`s sorted by arrival time. It comes from one o
   (string), `arrival` (seconds, >= 0), `prompt_ids` (token ids) or `prompt` (text, put through the
   course's chat template), `max_new_tokens` (int >= 1) and optional `session` (string). Every line
   is checked before anything runs; all bad lines are reported at once, each with its line number.
+  A Mooncake trace (production traffic as prompt-block ids, see `kvlearn.routing.mooncake`) is
+  recognised by its fields and read as such.
 - `multi_tenant_trace(...)`: a seeded generator of the traffic prefix caches live on. Its knobs
   imitate what published production traces show:
   * many tenants (apps), each with its own system prompt of a few hundred to a few thousand tokens,
@@ -122,14 +124,21 @@ def _check_line(row, vocab_size: int | None) -> str | None:
     return None
 
 
-def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_errors: int = 20) -> list[TraceRequest]:
+def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_errors: int = 20,
+               block_size: int = 512) -> list[TraceRequest]:
     """Read and check a JSON Lines trace (see the module docstring); requests sorted by arrival.
 
     Raises TraceError listing every bad line (up to `max_errors`) before returning anything. Lines
-    with `prompt` text are tokenized with `tokenizer` (default: the course's, loaded on demand)."""
+    with `prompt` text are tokenized with `tokenizer` (default: the course's, loaded on demand).
+    A Mooncake trace (lines with `hash_ids`, gzipped or not; `block_size` tokens per id) is read
+    by `kvlearn.routing.mooncake` instead: its token ids are its own, beyond any vocabulary."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No trace file at {path}: give a JSON Lines file (one request per line).")
+    from kvlearn.routing.mooncake import is_mooncake, read_mooncake
+
+    if is_mooncake(path):
+        return read_mooncake(path, block_size, max_errors).trace_requests()
     rows, errors, seen = [], [], {}
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, 1):

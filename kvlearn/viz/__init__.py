@@ -7,6 +7,7 @@ always gives the same picture and the same text. One module per structure:
     radix     the radix tree, and a recorded trace to step through (chapter 3)
     pool      the KV pool and the slots a packed step reads and writes (chapters 4-5)
     fleet     every replica's tree side by side (chapter 7)
+    capacity  hit rate against cache capacity on real traffic, beside the Mooncake paper (chapter 7)
     tiers     a tiered radix tree, coloured by where each node's KV lives (chapter 8)
     teaching  small matplotlib pictures of chapters 0, 2, 3, 5 and 6
     plots     where figures are written (`figures_dir`, `save_figure`)
