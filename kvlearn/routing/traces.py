@@ -290,7 +290,13 @@ def tenant_of(req: TraceRequest) -> str | None:
 
 
 def unique_token_floor(requests) -> int:
-    """Distinct token prefixes over the trace's prompts: no cache anywhere computes fewer.
+    """Distinct token prefixes over the trace's prompts (chapter 6's floor, counted over prompts only).
+
+    Each distinct prompt prefix is computed at least once *unless an earlier request generated it*:
+    KV computed during decode is cached too, so when a session's next turn resends the previous
+    turn's answer (`TraceRequest.answer`), a replica that kept it computes those prompt tokens zero
+    times, and a policy can compute fewer prompt tokens than this floor. It is a floor for traces
+    whose prompts contain no earlier output (no answers recorded).
 
     Prompts are walked as paths of shared parts; below each path the distinct prefixes of the
     next parts are counted with chapter 6's sorted-prefix method. Exact when sibling parts are

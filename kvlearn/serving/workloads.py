@@ -67,7 +67,10 @@ class Workload:
 
 
 def unique_token_floor(prompts) -> int:
-    """Number of distinct token prefixes across `prompts` (the node count of their trie).
+    """Number of distinct token prefixes across `prompts` (the node count of their trie): no cache
+    computes fewer prompt tokens, unless a prompt contains tokens an earlier request generated
+    (their KV was computed during decode; the course's workloads fix every prompt, answers
+    included, in advance).
 
     Sorted order puts the prompt sharing the longest prefix with p right before p, so each prompt
     adds exactly `len(p) - lcp(p, previous)` new prefixes; duplicates add none.
