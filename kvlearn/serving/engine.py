@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlearn.errors import KVCapacityError, check_choice, check_positive_int
+from kvlearn.fast import FastLlama
 from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
@@ -115,7 +116,7 @@ class Engine:
         self.model, self.tokenizer, self.cache_mode, self.plain_text = model, tokenizer, cache, bool(plain_text)
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.runner = ModelRunner(model, self.pool, fast=fast)
+        self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None)
         if host_slots is None and disk_dir is None:
             self.kv = make_kv_manager(cache, self.pool, max_running)
         else:
