@@ -10,8 +10,10 @@ runs and puts the previous one back afterwards, even on error, so `model.generat
 Switching walks every module, so a caller that runs many steps opens one session
 (`with runner.active(): ...`) and the steps inside it switch nothing.
 
-`ModelRunner(model, pool, fast=True)` runs the same step through `kvlearn.fast.FastLlama`, the
-runner's own packed copy of the weights; it never touches the model's attention setting at all.
+A caller may hand the runner another forward for the same step (`model_forward`): the engine's
+fast path (chapter 6) passes `kvlearn.fast.FastLlama(model).forward`, its own packed copy of the
+weights. The runner then calls that instead of the model and never touches the model's attention
+setting.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch
 
 from kvlearn.attention import AttentionMetadata, register
 from kvlearn.errors import check_positive_int
-from kvlearn.fast import FastLlama
 from kvlearn.memory import get_config
 from kvlearn.pool import KVPool
 
@@ -30,11 +31,14 @@ from kvlearn.pool import KVPool
 class ModelRunner:
     """Runs a Hugging Face causal LM (Llama-like, GQA) with its K and V in a `KVPool`.
 
-    fast: run through packed copies of the weights (`kvlearn.fast`; Llama-like models only); same
-    tokens, several times faster on CPU, and about the model's weight size in extra memory.
+    model_forward: None to run the model itself, or a callable that runs the step in its place,
+    `model_forward(input_ids, query_lens, kv_indices, pool) -> logits`: input_ids [T] the new tokens
+    of every sequence in one row, `query_lens[i]` of them sequence i's, `kv_indices` as in `forward`;
+    it writes the new K/V into the pool and returns [num_seqs, vocab] float logits of each sequence's
+    last new token, as the model would (the engine's fast path: `kvlearn.fast.FastLlama(model).forward`).
     """
 
-    def __init__(self, model, pool: KVPool, fast: bool = False):
+    def __init__(self, model, pool: KVPool, model_forward=None):
         if not isinstance(pool, KVPool):
             raise TypeError(f"pool must be a kvlearn.KVPool, got {type(pool).__name__}.")
         shape = get_config(model.config)
@@ -48,7 +52,7 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.vocab_size = model.config.vocab_size
         self.attn_implementation = register()
-        self.fast = FastLlama(model) if fast else None
+        self.model_forward = model_forward
         self._in_session = False
 
     @contextmanager
@@ -56,9 +60,11 @@ class ModelRunner:
         """A session: the model's attention is set to the paged one on entry and the previous one
         is restored on exit (also on error). `run` inside it switches nothing; nested sessions
         are part of the outer one. The model must not be used for anything else inside it."""
-        if self._in_session or self.fast is not None:
+        if self._in_session or self.model_forward is not None:
             yield
             return
+        # transformers 5.24 sets the implementation publicly (set_attn_implementation) but offers no
+        # public getter: the config's `_attn_implementation` property is the only way to read it.
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(self.attn_implementation)
         self._in_session = True
@@ -80,10 +86,11 @@ class ModelRunner:
         """`forward` without the checks, for callers that built valid input themselves (the engine's
         scheduler): token ids in the vocabulary, int64 slot tensors on the pool's device that are
         allocated, with fresh slots for the new tokens."""
-        md = AttentionMetadata.build([len(ids) for ids in input_ids], kv_indices, device=self.pool.device)
+        query_lens = [len(ids) for ids in input_ids]
         ids = torch.tensor([t for seq in input_ids for t in seq], dtype=torch.int64, device=self.pool.device)
-        if self.fast is not None:
-            return self.fast.forward(ids, md, self.pool)
+        if self.model_forward is not None:
+            return self.model_forward(ids, query_lens, kv_indices, self.pool)
+        md = AttentionMetadata.build(query_lens, kv_indices, device=self.pool.device)
         with torch.no_grad(), self.active():  # a no-op inside the caller's session
             out = self.model(input_ids=ids[None], position_ids=md.positions[None], use_cache=False,
                              logits_to_keep=md.last_token, kv_pool=self.pool, attn_metadata=md)
@@ -123,7 +130,9 @@ class ModelRunner:
         return checked
 
     def __repr__(self) -> str:
-        return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{', fast=True' if self.fast else ''})"
+        forward = "" if self.model_forward is None else \
+            f", model_forward={getattr(self.model_forward, '__qualname__', type(self.model_forward).__name__)}"
+        return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{forward})"
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,

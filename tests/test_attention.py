@@ -5,7 +5,7 @@ import torch
 from transformers import AttentionInterface
 
 from tests.hf_reference import hf_greedy
-from kvlearn.attention import ATTN_IMPLEMENTATION, SHARED_MIN, AttentionMetadata, paged_attention
+from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_attention
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
@@ -49,52 +49,6 @@ def test_metadata_by_hand():
     assert md.query_slots.tolist() == [0, 1, 2, 3]
     assert md.mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
     assert md.mask[1, 0, 0].int().tolist() == [1, 1, 1, 1]  # the decode token sees its whole context
-
-
-@pytest.mark.parametrize("own", [[5, 20, 40, 3], [0, 9]])
-def test_a_shared_prefix_is_read_once_with_the_same_result(own):
-    """A decode step of sequences whose contexts start with the same 100 slots: the cascade (shared
-    part gathered and scored once) equals one SDPA over each sequence's whole context."""
-    q_lens = [1] * len(own)
-    torch.manual_seed(0)
-    pool = KVPool(2, 3, 64, 1024)
-    pool.kv.normal_()
-    shared = pool.alloc(100)
-    slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens)]
-    md = AttentionMetadata.build(q_lens, slots)
-    assert md.shared_len == 100 >= SHARED_MIN
-    q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
-    cascade = paged_attention(q, k, v, 1, pool, md, scale=0.125)
-    one_sdpa = paged_attention(q, k, v, 1, pool, AttentionMetadata(**{**vars(md), "shared_len": 0}), scale=0.125)
-    assert (cascade - one_sdpa).abs().max() <= 1e-5
-
-
-def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result():
-    """Prefills apart from decodes, and contexts more than PAD_RATIO apart in different groups, each
-    padded only to its own longest; the result equals one SDPA over the whole padded step."""
-    torch.manual_seed(0)
-    pool = KVPool(2, 3, 64, 1024)
-    pool.kv.normal_()
-    q_lens = [60, 5, 1, 1, 1]
-    slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
-    md = AttentionMetadata.build(q_lens, slots)
-    groups = [(tokens.tolist(), part.kv_lens.tolist(), tuple(part.mask.shape[2:])) for tokens, part in md.parts]
-    assert groups == [(list(range(60)), [60], (60, 60)), (list(range(60, 65)), [25], (5, 25)),
-                      ([66, 65], [70, 40], (1, 70)), ([67], [9], (1, 9))]
-    assert not AttentionMetadata.build([1, 1, 1], [slots[2], slots[3], slots[2]]).parts  # similar: one group
-    q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
-    grouped = paged_attention(q, k, v, 1, pool, md, scale=0.125)
-    whole = paged_attention(q, k, v, 1, pool, AttentionMetadata(**{**vars(md), "parts": ()}), scale=0.125)
-    assert (grouped - whole).abs().max() <= 1e-5
-
-
-def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
-    a, b = torch.arange(0, 50), torch.cat([torch.arange(0, 40), torch.arange(100, 110)])
-    assert AttentionMetadata.build([1, 1], [a, b]).shared_len == 40
-    assert AttentionMetadata.build([1, 1], [a, a[:45]]).shared_len == 44     # the shorter one's new token at 44
-    assert AttentionMetadata.build([2, 1], [a, a + 0]).shared_len == 0       # a prefill in the step: one SDPA
-    assert AttentionMetadata.build([1, 1], [a[:20], a[:20] + 0]).shared_len == 0   # below SHARED_MIN
-    assert AttentionMetadata.build([1], [a]).shared_len == 0
 
 
 def test_packed_prefill_matches_hugging_face(model, prompts):

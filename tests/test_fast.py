@@ -1,13 +1,15 @@
-"""The runner's session and its fast path: same logits and tokens as Hugging Face, the model untouched."""
+"""The runner's session and the engine's fast path (packed weights, grouped and cascade attention):
+same attention, logits and tokens as the plain path and Hugging Face, the model untouched."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvlearn.attention import ATTN_IMPLEMENTATION
+from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_attention
 from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import compare_tokens
 from kvlearn.fast import FastLlama, PackedLinear
+from kvlearn.fast.attention import SHARED_MIN, FastStep, fast_paged_attention
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
@@ -26,12 +28,67 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def fast_runner(model):
     # room for the 16-request workload without sharing: 16 x (about 330 prompt + 32 new) tokens
-    return ModelRunner(model, KVPool.for_model(model.config, num_slots=6144, device=model.device), fast=True)
+    return fast_runner_for(model, num_slots=6144)
+
+
+def fast_runner_for(model, num_slots):
+    pool = KVPool.for_model(model.config, num_slots=num_slots, device=model.device)
+    return ModelRunner(model, pool, model_forward=FastLlama(model).forward)
 
 
 def hf_last_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids], device=model.device)).logits[0, -1]
+
+
+@pytest.mark.parametrize("own", [[5, 20, 40, 3], [0, 9]])
+def test_a_shared_prefix_is_read_once_with_the_same_result(own):
+    """A decode step of sequences whose contexts start with the same 100 slots: the cascade (shared
+    part gathered and scored once) equals chapter 5's one SDPA over each sequence's whole context."""
+    q_lens = [1] * len(own)
+    torch.manual_seed(0)
+    pool = KVPool(2, 3, 64, 1024)
+    pool.kv.normal_()
+    shared = pool.alloc(100)
+    slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens)]
+    step = FastStep.build(q_lens, slots)
+    assert len(step.groups) == 1 and step.groups[0].shared_len == 100 >= SHARED_MIN
+    q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
+    cascade = fast_paged_attention(q, k, v, 1, pool, step, scale=0.125)
+    one_sdpa = paged_attention(q, k, v, 1, pool, AttentionMetadata.build(q_lens, slots), scale=0.125)
+    assert (cascade - one_sdpa).abs().max() <= 1e-5
+
+
+def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result():
+    """Prefills apart from decodes, and contexts more than PAD_RATIO apart in different groups, each
+    padded only to its own longest; the result equals chapter 5's one SDPA over the whole padded step."""
+    torch.manual_seed(0)
+    pool = KVPool(2, 3, 64, 1024)
+    pool.kv.normal_()
+    q_lens = [60, 5, 1, 1, 1]
+    slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
+    step = FastStep.build(q_lens, slots)
+    groups = [(g.tokens.tolist(), g.md.kv_lens.tolist(), tuple(g.md.mask.shape[2:])) for g in step.groups]
+    assert groups == [(list(range(60)), [60], (60, 60)), (list(range(60, 65)), [25], (5, 25)),
+                      ([66, 65], [70, 40], (1, 70)), ([67], [9], (1, 9))]
+    similar = FastStep.build([1, 1, 1], [slots[2], slots[3], slots[2]])
+    assert len(similar.groups) == 1 and similar.groups[0].tokens is None  # similar: one group, the whole step
+    q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
+    grouped = fast_paged_attention(q, k, v, 1, pool, step, scale=0.125)
+    whole = paged_attention(q, k, v, 1, pool, AttentionMetadata.build(q_lens, slots), scale=0.125)
+    assert (grouped - whole).abs().max() <= 1e-5
+
+
+def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
+    def shared_len(q_lens, slots):
+        return max(group.shared_len for group in FastStep.build(q_lens, slots).groups)
+
+    a, b = torch.arange(0, 50), torch.cat([torch.arange(0, 40), torch.arange(100, 110)])
+    assert shared_len([1, 1], [a, b]) == 40
+    assert shared_len([1, 1], [a, a[:45]]) == 44     # the shorter one's new token at 44
+    assert shared_len([2, 1], [a, a + 0]) == 0       # a prefill in the step: one SDPA
+    assert shared_len([1, 1], [a[:20], a[:20] + 0]) == 0   # below SHARED_MIN
+    assert shared_len([1], [a]) == 0
 
 
 def test_fast_prefill_and_mixed_step_match_hugging_face(model, prompts, fast_runner):
@@ -76,7 +133,7 @@ def test_the_model_is_left_exactly_as_found(model, prompts):
 
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     before, impl = generate(), model.config._attn_implementation
-    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=512, device=model.device), fast=True)
+    runner = fast_runner_for(model, num_slots=512)
     greedy_generate(runner, prompts[:2], max_new_tokens=4)
     assert all(torch.equal(p, params[name]) for name, p in model.named_parameters())
     assert model.config._attn_implementation == impl != ATTN_IMPLEMENTATION

@@ -110,13 +110,14 @@ def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict
     its weights; `read_floor_ms` and `flop_floor_ms` are the step's two lower bounds (weights at the
     plain read's bandwidth; 2 x batch x weights FLOPs at the product's rate), and `floor_efficiency`
     the larger of them over the step time."""
-    from kvlearn.fast import PackedLinear
+    from kvlearn.fast import FastLlama, PackedLinear
     from kvlearn.pool import KVPool
     from kvlearn.runner import ModelRunner
 
     nbytes = weight_bytes(model)
     num_slots = sum(len(p) + rounds + 1 for p in prompts)
-    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=num_slots, device=model.device), fast=fast)
+    runner = ModelRunner(model, KVPool.for_model(model.config, num_slots=num_slots, device=model.device),
+                         model_forward=FastLlama(model).forward if fast else None)
     block = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)  # touched before timing
     square = torch.randn(1024, 1024, dtype=model.dtype, device=model.device)
     times_square = PackedLinear(square)
@@ -192,6 +193,7 @@ def main(argv=None) -> dict:
     if not 1 <= args.batch <= len(QUESTIONS) or args.steps < 1 or args.repeats < 1:
         parser.error(f"need 1 <= --batch <= {len(QUESTIONS)}, --steps >= 1, --repeats >= 1")
 
+    from kvlearn.fast import FastLlama
     from kvlearn.model import chat_ids, load_model
     from kvlearn.pool import KVPool
     from kvlearn.runner import ModelRunner
@@ -199,7 +201,7 @@ def main(argv=None) -> dict:
     model, tokenizer = load_model()
     prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:args.batch]]
     pool = KVPool.for_model(model.config, num_slots=4096, device=model.device)
-    runner = ModelRunner(model, pool, fast=args.fast)
+    runner = ModelRunner(model, pool, model_forward=FastLlama(model).forward if args.fast else None)
     decode_tokens_per_s(runner, prompts, 2, packed=True)  # warm-up
     result = compare(runner, prompts, args.steps, args.repeats)
     print(f"device={model.device.type} threads={torch.get_num_threads()} batch={args.batch} "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.fast import FastLlama
 from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
@@ -84,7 +85,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.runner = ModelRunner(model, self.pool, fast=c.fast)
+        self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if c.fast else None)
         if c.tiered:
             self.kv = make_tiered_kv(self.pool, model, c.host_slots, c.disk_dir, c.write_policy, c.max_running,
                                      c.disk_max_bytes)

@@ -1,4 +1,4 @@
-"""The fast path: the runner's own packed copy of a Llama-like model, and a forward over the KV pool.
+"""Packed weights: the fast path's own copy of a Llama-like model, and a forward over the KV pool.
 
 Chapter 5's runner calls the Hugging Face model, which is the readable path. Decoding a batch is
 bound by reading the weights once per step (~540 MB in float32 for SmolLM2-135M), and how fast a
@@ -12,8 +12,10 @@ matrix product reads them depends on their layout. `FastLlama` copies the weight
   oneDNN, other dtypes) the concatenated matrices go through plain `F.linear`.
 
 Its forward is the Llama layer loop written out (RMSNorm, RoPE from the model's own rotary module,
-SiLU-gated MLP), calling `kvlearn.attention.paged_attention` directly. The model is only read:
-its modules, parameters and attention implementation stay as they were.
+SiLU-gated MLP), calling `kvlearn.fast.attention.fast_paged_attention` directly. It has the
+signature of the runner's `model_forward` hook, so the engine hands `FastLlama(model).forward` to
+`ModelRunner`. The model is only read: its modules, parameters and attention implementation stay as
+they were.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlearn.attention import AttentionMetadata, paged_attention
+from kvlearn.fast.attention import FastStep, fast_paged_attention
 
 # oneDNN picks its blocked weight layout for an expected number of rows (any row count still works).
 # Tuned for a decode batch: a product with few rows is bound by reading the weights, where the layout
@@ -103,7 +105,7 @@ class FastLlama:
                 problems.append("attention or MLP projections with a bias, or missing")
         if problems:
             raise ValueError(f"The fast path runs Llama-like models only; {type(model).__name__} has "
-                             + "; ".join(problems) + ". Use ModelRunner(model, pool) without fast=True.")
+                             + "; ".join(problems) + ". Use the plain path: Engine(..., fast=False).")
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. Same rotation as Hugging Face Llama."""
@@ -112,9 +114,13 @@ class FastLlama:
         return x * cos + rotated * sin
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, md: AttentionMetadata, kv_pool) -> torch.Tensor:
-        """input_ids: [T] the packed new tokens of the step. Returns [B, vocab] float32 logits of
-        each sequence's last new token."""
+    def forward(self, input_ids: torch.Tensor, query_lens: list[int], kv_indices: list[torch.Tensor],
+                kv_pool) -> torch.Tensor:
+        """One packed step, as `ModelRunner.run`: input_ids [T] the new tokens of every sequence in a
+        row, `query_lens[i]` of them sequence i's, whose whole context sits at `kv_indices[i]`.
+        Returns [B, vocab] float32 logits of each sequence's last new token."""
+        step = FastStep.build(query_lens, kv_indices, device=kv_pool.device)
+        md = step.md
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h, md.positions[None])
         cos, sin = cos[0, :, None], sin[0, :, None]
@@ -127,7 +133,7 @@ class FastLlama:
             # Q and K heads sit side by side in the product: one rotation for both.
             qk = self._rope(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, dim), cos, sin)
             v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, dim)
-            a = paged_attention(qk[:, :heads], qk[:, heads:], v, i, kv_pool, md, self.scale)
+            a = fast_paged_attention(qk[:, :heads], qk[:, heads:], v, i, kv_pool, step, self.scale)
             h = h + layer.o(a.reshape(tokens, q_size))
             x = F.rms_norm(h, (hidden,), layer.post_norm, self.eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
