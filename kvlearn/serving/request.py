@@ -49,3 +49,8 @@ or "aborted" (taken out by a step that failed; its output is cut short).
     def __repr__(self) -> str:
         return (f"Request(r{self.rid}, {self.status}, {self.num_prompt_tokens} prompt + "
                 f"{len(self.output_ids)} output tokens, {self.num_computed} with KV)")
+
+    @property
+    def prefilling(self) -> bool:
+        """True while part of the prompt has no KV yet (a prefill in chunks)."""
+        return self.num_computed < self.prefill_len
