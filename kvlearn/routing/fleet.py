@@ -1,9 +1,9 @@
 """A fleet: N engine replicas behind a router, simulated in virtual time.
 
-Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` runs them on a
-slots-only pool without the model (every request "generates" the answer its trace recorded, then
-a filler token); `EngineReplica` wraps a real `Engine`. The same event loop drives both, so the
-router sees the same fleet and makes the same decisions:
+Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` is chapter 6's
+model-free driver (`SimEngine`: a slots-only pool, every request "generates" the answer its trace
+recorded, then a filler token); `EngineReplica` wraps a real `Engine`. The same event loop
+(`FleetLoop`) drives both, so the router sees the same fleet and makes the same decisions:
 
 - requests arrive at their trace times; the policy picks a replica from a `RouterView` (requests
   in flight, outstanding tokens, and for `exact` the replicas' real caches) and the request joins
@@ -14,7 +14,8 @@ router sees the same fleet and makes the same decisions:
 
 Most steps of a fleet are plain decode steps: each running request gets one token and nothing else
 happens. A `SimReplica` runs a stretch of them (no request waiting, none finishing, room in the
-pool) in one `advance` call, as many scheduler steps would (the same slots, evictions, stats);
+pool: `Scheduler.decode_stretch`) in one `advance` call, as many scheduler steps would (the same
+slots, evictions, stats);
 the loop still times each step and updates the router's view after each, and an arrival at the
 replica ends the stretch after the step in progress. The result is the step-by-step one
 (`fast_forward=False` checks it), at a fraction of the cost: a scheduler step costs a tenth of a
