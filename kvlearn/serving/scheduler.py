@@ -301,12 +301,12 @@ class Scheduler:
 
     # --- many plain decode steps at once (the model-free simulators' shortcut) ---------------------
     def decode_stretch(self) -> tuple[int, bool]:
-        """Query: how many of the next steps are plain decode steps that nothing but an arrival can
-        change (no request waits, every running one decodes and none finishes: no end-of-sequence
-        token to watch for, none reaching max_new_tokens), each growing every running request by one
-        slot, which the KV manager can do for them all at once without preempting
-        (`KVManager.decode_rounds`); and whether those steps evict cached tokens. (0, False): the
-        next step must go through `schedule()`."""
+        """Query: how many of the next steps are plain decode steps, which only a new request (`add`)
+        could change: no request waits, every running one decodes and none finishes (no
+        end-of-sequence token to watch for, none reaching max_new_tokens), and the KV manager can
+        grow them all for that many steps at once without preempting (`KVManager.decode_rounds`).
+        Also whether those steps evict cached tokens. (0, False): the next step must go through
+        `schedule()`."""
         running = self.running
         if self.waiting or not running or self.eos_token_ids:
             return 0, False
@@ -321,11 +321,12 @@ class Scheduler:
         allows), running request j sampling `next_tokens[j]` (`steps` token ids). Invariant: the
         same outcome as `steps` rounds of `schedule()` and `postprocess()` with those tokens: the
         same tokens, slots, evictions, `num_steps`, `stats` and last `report`."""
-        if steps < 1:
-            raise ValueError(f"A stretch runs at least one step, got steps={steps}.")
         running, kv = self.running, self.kv
+        if steps < 1 or len(next_tokens) != len(running) or any(len(tokens) != steps for tokens in next_tokens):
+            raise ValueError(f"A stretch of {steps} steps needs at least one step, and {steps} tokens for each "
+                             f"of the {len(running)} running requests.")
         evicted = kv.grow_rounds(running, steps)
-        for req, tokens in zip(running, next_tokens, strict=True):
+        for req, tokens in zip(running, next_tokens):
             req.token_ids.extend(tokens)
             req.num_computed = len(req.token_ids) - 1
         self.num_steps += steps
