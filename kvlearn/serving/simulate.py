@@ -33,6 +33,9 @@ class SimEngine:
         self.answers: dict[int, tuple[int, ...]] = {}   # rid -> the answer it generates, while it runs
 
     def add(self, req: Request, answer: tuple[int, ...] = ()) -> Request:
+        if not self.kv.fits(req):
+            raise KVCapacityError(f"Prompt {req.rid} needs KV for {req.max_tokens} tokens but the pool holds "
+                                  f"{self.kv.capacity}: use a bigger num_slots.")
         if answer:
             self.answers[req.rid] = tuple(answer)
         self.scheduler.add(req)
@@ -99,9 +102,5 @@ def simulate(workload, cache: str, max_new_tokens: int = 32, num_slots: int | No
     kv = make_kv_manager(cache, KVPool(1, 1, 1, num_slots, page_size=page_size))  # slots only: one number each
     sim = SimEngine(kv, filler=prompts[0][-1], schedule=schedule)  # any token id; never an end of sequence
     for rid, prompt in enumerate(prompts):
-        req = Request(rid, prompt, max_new_tokens, page_size)
-        if not kv.fits(req):
-            raise KVCapacityError(f"Prompt {rid} needs KV for {req.max_tokens} tokens but the pool holds "
-                                  f"{kv.capacity}: use a bigger num_slots.")
-        sim.add(req)
+        sim.add(Request(rid, prompt, max_new_tokens, page_size))
     return with_rates(sim.run(), 0.0)
