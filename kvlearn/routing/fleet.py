@@ -191,7 +191,7 @@ class Stretch:
     as far as the step in progress as soon as the router asks what the replica caches."""
 
     decoding: int         # requests decoding, one token each per step
-    context: int          # their context tokens before the stretch
+    context: int          # their context tokens in the step in progress (one more each per step)
     planned: int          # steps it may run
     evicts: bool          # whether its steps evict cached tokens
     timed: int = 0        # steps ended, in simulated time
@@ -261,8 +261,8 @@ class FleetLoop:
             planned, evicts = rep.decode_stretch()
             if planned:
                 running = rep.scheduler.running
-                self.stretch[i] = Stretch(len(running), sum(len(req.token_ids) - 1 for req in running), planned, evicts)
-                self.time_stretch_step(i)
+                s = self.stretch[i] = Stretch(len(running), sum(len(req.token_ids) for req in running), planned, evicts)
+                self.push_step(i, self.step_s(0, s.decoding, s.context), None)
                 return
         progressed = rep.step()
         context = sum(len(req.token_ids) - 1 for req in progressed)
@@ -271,12 +271,8 @@ class FleetLoop:
         self.last_computed[i] += computed
         self.push_step(i, self.step_s(computed, decodes, context), progressed)
 
-    def time_stretch_step(self, i: int) -> None:
-        """Time the next step of replica i's stretch, as `start_step` would time it."""
-        s = self.stretch[i]
-        self.push_step(i, self.step_s(0, s.decoding, s.context + s.decoding * (s.timed + 1)), None)
-
     def push_step(self, i: int, duration: float, progressed: list | None) -> None:
+        """Replica i is busy for `duration` seconds from now."""
         self.busy_s[i] += duration
         self.busy[i] = True
         self.seq += 1
@@ -288,8 +284,9 @@ class FleetLoop:
         s.timed += 1
         self.output_tokens += s.decoding
         self.view.outstanding[i] -= s.decoding
-        if s.timed < s.planned and not s.cut:
-            self.time_stretch_step(i)
+        if s.timed < s.planned and not s.cut:   # its next step, timed as a scheduler step would be
+            s.context += s.decoding
+            self.push_step(i, self.step_s(0, s.decoding, s.context), None)
             return
         if s.applied < s.timed:
             self.replicas[i].advance(s.timed - s.applied)
