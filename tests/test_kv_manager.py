@@ -94,3 +94,52 @@ def test_rows_hold_exactly_the_running_requests_and_the_pool_ends_free(cache):
     kv.evict_all()
     assert pool.num_free == pool.num_slots  # one allocator: the pool's count is the truth in every mode
     assert torch.equal(pool.allocator.is_free(torch.arange(32)), torch.ones(32, dtype=torch.bool))
+
+
+def _sim_state(sim):
+    """What a model-free run leaves behind: scheduler stats and last report, every running request's
+    tokens and slots, and the pool's and cache's counts."""
+    s, kv = sim.scheduler, sim.kv
+    rows = [(r.rid, list(r.token_ids), r.num_computed, kv.rows.req_to_token[r.kv.row, :r.kv.num_slots].tolist())
+            for r in s.running]
+    return dict(s.stats), s.num_steps, repr(s.report), rows, kv.free_slots, kv.evictable_slots, kv.evicted_tokens
+
+
+@pytest.mark.parametrize("cache, page_size", [("radix", 1), ("radix", 4), ("none", 1), ("blocks", 4), ("tiered", 1)])
+def test_a_decode_stretch_leaves_what_as_many_steps_leave(cache, page_size):
+    """`SimEngine.advance(n)` (the scheduler's `run_decode_stretch`) against n `step()` calls, on a
+    pool where finished requests' cache must be evicted while the others decode."""
+    from kvlearn.serving.simulate import SimEngine
+    from kvlearn.tiers.host import host_pool_for
+    from kvlearn.tiers.manager import TieredRadixKV
+
+    def engine():
+        pool = KVPool(1, 1, 1, 96, page_size=page_size)
+        kv = TieredRadixKV(pool, host=host_pool_for(pool, 64)) if cache == "tiered" else make_kv_manager(cache, pool)
+        sim = SimEngine(kv, filler=7)
+        for rid in range(3):
+            sim.add(Request(rid, [rid + 1] * 8 + list(range(20, 28)), 10 + 15 * rid, page_size),
+                    answer=tuple(range(100, 105 + rid)))
+        return sim
+
+    stretched, stepped = engine(), engine()
+    stretches, evicted = [], 0
+    while stepped.has_unfinished():
+        steps, evicts = stretched.decode_stretch()
+        assert (steps, evicts) == stepped.decode_stretch()
+        if steps:
+            before = stretched.kv.evicted_tokens
+            stretched.advance(steps)
+            stretches.append(steps)
+            evicted += stretched.kv.evicted_tokens - before
+            assert evicts == (stretched.kv.evicted_tokens > before)
+        else:
+            stretched.step()
+        for _ in range(steps or 1):
+            stepped.step()
+        assert _sim_state(stretched) == _sim_state(stepped)
+    assert not stretched.has_unfinished()
+    if cache == "blocks":   # a decode step publishes the blocks it fills: no stretches
+        assert not stretches
+    else:
+        assert sum(stretches) > 20 and (evicted > 0) == (cache != "none")

@@ -1,9 +1,9 @@
 """A fleet: N engine replicas behind a router, simulated in virtual time.
 
-Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` runs them on a
-slots-only pool without the model (every request "generates" the answer its trace recorded, then
-a filler token); `EngineReplica` wraps a real `Engine`. The same event loop drives both, so the
-router sees the same fleet and makes the same decisions:
+Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` is chapter 6's
+model-free driver (`SimEngine`: a slots-only pool, every request "generates" the answer its trace
+recorded, then a filler token); `EngineReplica` wraps a real `Engine`. The same event loop
+(`FleetLoop`) drives both, so the router sees the same fleet and makes the same decisions:
 
 - requests arrive at their trace times; the policy picks a replica from a `RouterView` (requests
   in flight, outstanding tokens, and for `exact` the replicas' real caches) and the request joins
@@ -14,7 +14,8 @@ router sees the same fleet and makes the same decisions:
 
 Most steps of a fleet are plain decode steps: each running request gets one token and nothing else
 happens. A `SimReplica` runs a stretch of them (no request waiting, none finishing, room in the
-pool) in one `advance` call, as many scheduler steps would (the same slots, evictions, stats);
+pool: `Scheduler.decode_stretch`) in one `advance` call, as many scheduler steps would (the same
+slots, evictions, stats);
 the loop still times each step and updates the router's view after each, and an arrival at the
 replica ends the stretch after the step in progress. The result is the step-by-step one
 (`fast_forward=False` checks it), at a fraction of the cost: a scheduler step costs a tenth of a
@@ -37,18 +38,17 @@ from kvlearn.pool import KVPool
 from kvlearn.routing.policies import Policy, RouterView
 from kvlearn.routing.timemodel import TimeModel, default_time_model
 from kvlearn.routing.traces import TraceRequest, unique_token_floor
-from kvlearn.serving.cache_modes import CACHE_MODES, NoCacheKV, RadixKV, default_page_size, make_kv_manager
-from kvlearn.serving.request import Request
-from kvlearn.serving.scheduler import Scheduler, StepReport
+from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.serving.request import Request, RequestStatus
+from kvlearn.serving.simulate import SimEngine
 
 FILLER_TOKEN = 0  # what a simulated request generates past its recorded answer; generated traces never use it
-# KV managers whose decode steps `SimReplica.advance` can run many at once: their `after_forward`
-# does nothing for a decode, so a decode step only grows slots
-FAST_KV = (RadixKV, NoCacheKV)
 
 
-class SimReplica:
-    """A replica without the model: a real Scheduler and KV manager on a pool of bare slots."""
+class SimReplica(SimEngine):
+    """A replica without the model: chapter 6's `SimEngine` (a real Scheduler and KV manager on a
+    pool of bare slots) for one cache mode. Each request generates the answer its trace recorded."""
 
     def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
                  max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None):
@@ -56,89 +56,19 @@ class SimReplica:
         pool = KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu")
         # max_running: requests that may run at once (rows of the KV manager's request table);
         # None keeps the engine's default, which real-engine comparisons need
-        self.kv = make_kv_manager(cache, pool) if max_running is None else make_kv_manager(cache, pool, max_running)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, schedule=schedule)
+        kv = make_kv_manager(cache, pool, DEFAULT_MAX_REQUESTS if max_running is None else max_running)
+        super().__init__(kv, FILLER_TOKEN, max_batch_tokens=max_batch_tokens, schedule=schedule)
         self.page_size = page_size
-        self.answers: dict[int, tuple[int, ...]] = {}   # rid -> recorded answer
 
     def submit(self, rid: int, treq: TraceRequest) -> Request:
-        req = Request(rid, treq.prompt_ids, treq.max_new_tokens, page_size=self.page_size)
-        self.answers[rid] = treq.answer
-        self.scheduler.add(req)
-        return req
-
-    def step(self) -> list[Request]:
-        """One scheduling step; returns the requests that got a token."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("The scheduler found nothing to run although requests wait: a kvlearn bug.")
-        tokens, before = [], []
-        for req in batch.requests:
-            answer, k = self.answers[req.rid], len(req.token_ids) - req.num_prompt_tokens
-            tokens.append(answer[k] if k < len(answer) else FILLER_TOKEN)
-            before.append(len(req.token_ids))
-        for req in self.scheduler.postprocess(batch, tokens):
-            del self.answers[req.rid]
-        # a chunk of a long prompt that is not its last one gets no token yet
-        return [req for req, n in zip(batch.requests, before) if len(req.token_ids) > n]
-
-    def decode_run(self) -> tuple[int, bool]:
-        """How many of the next steps are plain decode steps that nothing inside the replica can
-        change (no request waits, every running one decodes and none finishes, and the pool has
-        room for every new token, evicting cached tokens if need be), and whether they evict.
-        (0, False) when the next step must go through the scheduler. An arrival can still cut the
-        run short: the event loop then stops it early."""
-        sched, kv = self.scheduler, self.kv
-        running = sched.running
-        if sched.waiting or not running or type(kv) not in FAST_KV or sched.eos_token_ids:
-            return 0, False
-        if any(req.num_computed < req.prefill_len or req.num_computed != len(req.token_ids) - 1 for req in running):
-            return 0, False    # a prompt still in chunks (even with one token left) is not decoding
-        # the step that brings a request to max_new_tokens finishes it: stop one before the first
-        steps = min(req.max_new_tokens - (len(req.token_ids) - req.num_prompt_tokens) for req in running) - 1
-        if steps <= 0:
-            return 0, False
-        steps = kv._rounds_with_room(running, steps)
-        return steps, kv._round_pages(running, steps) * kv.page_size > kv.free_slots
-
-    def advance(self, steps: int) -> None:
-        """Run the next `steps` plain decode steps at once (all of them within `decode_run()`),
-        with the very outcome of as many `step()` calls: the same tokens, slots, evictions,
-        scheduler stats and last step report."""
-        sched, kv = self.scheduler, self.kv
-        running = sched.running
-        evicted = kv._grow_rounds(running, steps)
-        for req in running:
-            k = len(req.token_ids) - req.num_prompt_tokens
-            tokens = self.answers[req.rid][k:k + steps]
-            req.token_ids.extend(tokens)
-            if len(tokens) < steps:
-                req.token_ids.extend([FILLER_TOKEN] * (steps - len(tokens)))
-            req.num_computed = len(req.token_ids) - 1
-        sched.num_steps += steps
-        stats = sched.stats
-        stats["steps"] += steps
-        stats["output_tokens"] += steps * len(running)
-        stats["evicted_tokens"] += sum(evicted)
-        used = kv.slots_in_use(running)   # decode steps only add slots: the last step's count is the peak
-        stats["peak_slots"] = max(stats["peak_slots"], used)
-        sched.report = StepReport(sched.num_steps, decodes=[req.rid for req in running], evicted_tokens=evicted[-1],
-                                  used_slots=used, evictable_slots=kv.evictable_slots, free_slots=kv.free_slots)
-        kv.check(running)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.add(Request(rid, treq.prompt_ids, treq.max_new_tokens, page_size=self.page_size), treq.answer)
 
     def waiting_prompts(self):
         """Prompts routed here that are not in the cache yet: waiting, or admitted and still being
         computed in chunks (a prompt joins the cache after its last chunk)."""
         sched = self.scheduler
         return chain((req.token_ids for req in sched.waiting),
-                     (req.token_ids for req in sched.running if req.num_computed < req.prefill_len))
-
-    @property
-    def stats(self) -> dict:
-        return self.scheduler.stats
+                     (req.token_ids for req in sched.running if req.prefilling))
 
 
 class EngineReplica:
@@ -157,7 +87,7 @@ class EngineReplica:
         before = [len(r.token_ids) for r in self.live]
         self.engine.step()
         progressed = [r for r, n in zip(self.live, before) if len(r.token_ids) > n]
-        self.live = [r for r in self.live if r.status != "finished"]
+        self.live = [r for r in self.live if r.status != RequestStatus.FINISHED]
         return progressed
 
     def has_unfinished(self) -> bool:
@@ -165,7 +95,7 @@ class EngineReplica:
 
     def waiting_prompts(self):
         return (req.token_ids for req in self.live
-                if req.status == "waiting" or (req.status == "running" and req.num_computed < req.prefill_len))
+                if req.status == RequestStatus.WAITING or (req.status == RequestStatus.RUNNING and req.prefilling))
 
     @property
     def stats(self) -> dict:
@@ -254,11 +184,190 @@ def check_fits(trace: list[TraceRequest], replica) -> None:
             f"per replica (--slots-per-replica), or drop that request.")
 
 
+@dataclass
+class Stretch:
+    """A replica's stretch of plain decode steps (`SimEngine.decode_stretch`). The loop times its
+    steps one by one; the replica runs them (`advance`) when the stretch ends or, where they evict,
+    as far as the step in progress as soon as the router asks what the replica caches."""
+
+    decoding: int         # requests decoding, one token each per step
+    context: int          # their context tokens in the step in progress (one more each per step)
+    planned: int          # steps it may run
+    evicts: bool          # whether its steps evict cached tokens
+    timed: int = 0        # steps ended, in simulated time
+    applied: int = 0      # steps the replica has run
+    cut: bool = False     # a request arrived: the stretch ends with the step in progress
+
+
+class FleetLoop:
+    """`run_fleet`'s event loop. Events are arrivals (in trace order) and step ends (a heap of
+    (end time, sequence number, replica, requests that got a token, or None for a step of a
+    stretch)); each replica runs at most one step at a time, and starts the next when one ends
+    while it has work. `view` is what the router sees, up to date after every event."""
+
+    def __init__(self, trace: list[TraceRequest], policy: Policy, replicas: list, time_model: TimeModel,
+                 keep_outputs: bool = False, fast_forward: bool = True, bar=None):
+        n = len(replicas)
+        self.trace, self.policy, self.replicas, self.step_s = trace, policy, replicas, time_model.step_s
+        self.keep_outputs, self.bar = keep_outputs, bar
+        self.view = RouterView([0] * n, [0] * n, cached_len=self.cached_len)
+        self.now = trace[0].arrival
+        self.events: list[tuple[float, int, int, list | None]] = []
+        self.seq = 0                                  # ties on the heap end in the order steps started
+        self.busy = [False] * n                       # a step in progress
+        self.busy_s, self.routed = [0.0] * n, [0] * n
+        self.stretch: list[Stretch | None] = [None] * n
+        self.can_stretch = [fast_forward and hasattr(rep, "decode_stretch") for rep in replicas]
+        self.last_computed = [rep.stats["computed_prefill_tokens"] for rep in replicas]
+        self.owner: dict[int, TraceRequest] = {}     # id(Request) -> its trace request, while it runs
+        self.ttft: list[float] = []
+        self.routes, self.outputs = {}, {}
+        self.done = self.output_tokens = 0
+
+    def run(self) -> None:
+        """Serve the whole trace: the next event is the earlier of the next arrival and step end."""
+        trace, events, arrived = self.trace, self.events, 0
+        while arrived < len(trace) or events:
+            if arrived < len(trace) and (not events or trace[arrived].arrival < events[0][0]):
+                self.arrive(arrived)
+                arrived += 1
+                continue
+            self.now, _, i, progressed = heapq.heappop(events)
+            if progressed is None:
+                self.end_stretch_step(i)
+            else:
+                self.end_step(i, progressed)
+
+    def arrive(self, index: int) -> None:
+        """The policy routes the trace's request `index`; it joins its replica's waiting queue."""
+        treq = self.trace[index]
+        self.now = treq.arrival
+        i = self.policy.choose(treq, self.view)
+        self.policy.routed(treq, i)
+        self.routes[treq.id] = i
+        self.owner[id(self.replicas[i].submit(index, treq))] = treq
+        self.routed[i] += 1
+        self.view.inflight[i] += 1
+        self.view.outstanding[i] += treq.num_prompt_tokens + treq.max_new_tokens
+        if self.stretch[i] is not None:
+            self.stretch[i].cut = True   # the request waits for the step in progress to end
+        elif not self.busy[i]:
+            self.start_step(i)
+
+    def start_step(self, i: int) -> None:
+        """Replica i starts its next step: a stretch of decodes where it can, else one scheduler step."""
+        rep = self.replicas[i]
+        if self.can_stretch[i]:
+            planned, evicts = rep.decode_stretch()
+            if planned:
+                running = rep.scheduler.running
+                s = self.stretch[i] = Stretch(len(running), sum(len(req.token_ids) for req in running), planned, evicts)
+                self.push_step(i, self.step_s(0, s.decoding, s.context), None)
+                return
+        progressed = rep.step()
+        context = sum(len(req.token_ids) - 1 for req in progressed)
+        decodes = sum(len(req.token_ids) - req.num_prompt_tokens > 1 for req in progressed)
+        computed = rep.stats["computed_prefill_tokens"] - self.last_computed[i]
+        self.last_computed[i] += computed
+        self.push_step(i, self.step_s(computed, decodes, context), progressed)
+
+    def push_step(self, i: int, duration: float, progressed: list | None) -> None:
+        """Replica i is busy for `duration` seconds from now."""
+        self.busy_s[i] += duration
+        self.busy[i] = True
+        self.seq += 1
+        heapq.heappush(self.events, (self.now + duration, self.seq, i, progressed))
+
+    def end_stretch_step(self, i: int) -> None:
+        """A step of replica i's stretch ended: every request decoded one token."""
+        s = self.stretch[i]
+        s.timed += 1
+        self.output_tokens += s.decoding
+        self.view.outstanding[i] -= s.decoding
+        if s.timed < s.planned and not s.cut:   # its next step, timed as a scheduler step would be
+            s.context += s.decoding
+            self.push_step(i, self.step_s(0, s.decoding, s.context), None)
+            return
+        if s.applied < s.timed:
+            self.replicas[i].advance(s.timed - s.applied)
+        self.stretch[i] = None
+        self.busy[i] = False
+        if self.replicas[i].has_unfinished():
+            self.start_step(i)
+
+    def end_step(self, i: int, progressed: list[Request]) -> None:
+        """A scheduler step of replica i ended: first tokens count toward TTFT, finished requests leave."""
+        self.busy[i] = False
+        self.output_tokens += len(progressed)
+        outstanding = self.view.outstanding
+        for req in progressed:
+            treq = self.owner[id(req)]
+            generated = len(req.token_ids) - req.num_prompt_tokens
+            outstanding[i] -= 1 + (req.num_prompt_tokens if generated == 1 else 0)
+            if generated == 1:
+                self.ttft.append(self.now - treq.arrival)
+            if req.status == RequestStatus.FINISHED:
+                del self.owner[id(req)]
+                self.view.inflight[i] -= 1
+                outstanding[i] -= treq.max_new_tokens - generated
+                self.done += 1
+                if self.keep_outputs:
+                    self.outputs[treq.id] = req.token_ids[req.num_prompt_tokens:]
+                if self.bar is not None and self.done % 256 == 0:
+                    self.bar.update(256)
+        if self.replicas[i].has_unfinished():
+            self.start_step(i)
+
+    def cached_len(self, i: int, prompt: list[int]) -> int:
+        """What `exact` asks (`known_prefix_len`). A stretch whose steps evict changes the cache:
+        the replica first runs it up to the step in progress (which started before this moment)."""
+        s = self.stretch[i]
+        if s is not None and s.evicts and s.applied < s.timed + 1:
+            self.replicas[i].advance(s.timed + 1 - s.applied)
+            s.applied = s.timed + 1
+        return known_prefix_len(self.replicas[i], prompt)
+
+    def result(self, wall_s: float) -> FleetResult:
+        """The run's measures; checks that every request finished and each replica's prompt
+        tokens are its cached plus computed ones where nothing was preempted."""
+        assert self.done == len(self.trace) and not self.owner and not any(self.view.inflight), \
+            "requests left unfinished"
+        per_replica = []
+        for i, rep in enumerate(self.replicas):
+            s = rep.stats
+            per_replica.append({"replica": i, "requests": self.routed[i], "busy_s": round(self.busy_s[i], 4),
+                                "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
+                                "computed_prefill_tokens": s["computed_prefill_tokens"],
+                                "preemptions": s["preemptions"]})
+        for r in per_replica:
+            assert r["preemptions"] or r["prompt_tokens"] == r["cached_tokens"] + r["computed_prefill_tokens"], \
+                f"replica {r['replica']}: prompt tokens are not cached + computed: {r}"
+        total = {k: sum(r[k] for r in per_replica)
+                 for k in ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "preemptions")}
+        makespan = self.now - self.trace[0].arrival
+        prefill = total["cached_tokens"] + total["computed_prefill_tokens"]
+        mean_busy = sum(self.busy_s) / len(self.replicas)
+        policy = self.policy
+        router = policy.tree_stats() if hasattr(policy, "tree_stats") else {}
+        if hasattr(policy, "decisions"):
+            router = {**router, "decisions": dict(policy.decisions)}
+        return FleetResult(
+            policy=policy.name, replicas=len(self.replicas), requests=len(self.trace),
+            prompt_tokens=total["prompt_tokens"], computed_prefill_tokens=total["computed_prefill_tokens"],
+            cached_tokens=total["cached_tokens"], unique_token_floor=unique_token_floor(self.trace),
+            hit_rate=round(total["cached_tokens"] / prefill, 4) if prefill else 0.0,
+            load_imbalance=round(max(self.busy_s) / mean_busy, 3) if mean_busy else 1.0,
+            ttft_p50_s=round(_percentile(self.ttft, 50), 4), ttft_p99_s=round(_percentile(self.ttft, 99), 4),
+            throughput_tok_s=round(self.output_tokens / makespan, 1) if makespan else 0.0,
+            makespan_s=round(makespan, 3), output_tokens=self.output_tokens, preemptions=total["preemptions"],
+            wall_s=wall_s, per_replica=per_replica, router=router, routes=self.routes, outputs=self.outputs)
+
+
 def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_model: TimeModel | None = None,
               keep_outputs: bool = False, progress: bool = False, fast_forward: bool = True) -> FleetResult:
     """Serve `trace` (sorted by arrival) on `replicas` (SimReplica or EngineReplica) routed by `policy`.
 
-    fast_forward: let a SimReplica run a stretch of plain decode steps (`decode_run`) as one
+    fast_forward: let a SimReplica run a stretch of plain decode steps (`decode_stretch`) as one
     `advance` call. The loop still times every step and updates the router's view after each, and
     an arrival at the replica ends the stretch after the step in progress, so the result is the
     same as stepping one by one (False does that, for checking)."""
@@ -267,165 +376,17 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     if not replicas:
         raise ValueError("A fleet needs at least one replica.")
     check_fits(trace, replicas[0])
-    time_model = time_model or default_time_model()
-    step_s = time_model.step_s
-    heappush, heappop = heapq.heappush, heapq.heappop
-    n = len(replicas)
-
-    def cached_len(i: int, prompt: list[int]) -> int:   # what `exact` asks
-        if stretch[i] is not None and stretch[i][6]:   # the stretch changes the cache: bring it up to now
-            catch_up(i)
-        return known_prefix_len(replicas[i], prompt)
-
-    view = RouterView([0] * n, [0] * n, cached_len=cached_len)
-    busy_s, routed = [0.0] * n, [0] * n
-    running = [False] * n
-    steps: list[tuple[float, int, int, list]] = []    # (end time, seq, replica, requests that got a token)
-    owner: dict[int, TraceRequest] = {}               # id(Request) -> its trace request
-    ttft, routes, outputs, done, seq, output_tokens = [], {}, {}, 0, 0, 0
-    # a replica's stretch of plain decode steps: [requests decoding, their context before it, steps
-    # done, steps it may run, whether an arrival cut it short, steps the replica has run, whether
-    # the steps evict]; its steps go on the heap with None. The replica runs them when the stretch
-    # ends, or, if they evict, as far as the step in progress when the router asks what it caches.
-    stretch: list[list | None] = [None] * n
-    can_stretch = [fast_forward and hasattr(rep, "decode_run") for rep in replicas]
-    first_arrival = trace[0].arrival
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(trace), desc=f"route {policy.name}", unit="req", leave=False, mininterval=0.5)
-    start_wall = time.perf_counter()
-
-    def start_step(i: int, now: float) -> None:
-        nonlocal seq
-        if can_stretch[i]:
-            planned, evicts = replicas[i].decode_run()
-            if planned:
-                batch = replicas[i].scheduler.running
-                stretch[i] = [len(batch), sum(len(req.token_ids) for req in batch) - len(batch), 0, planned, False,
-                              0, evicts]
-                next_decode_step(i, now)
-                return
-        progressed = replicas[i].step()
-        context = sum(len(req.token_ids) - 1 for req in progressed)
-        decode = sum(len(req.token_ids) - req.num_prompt_tokens > 1 for req in progressed)
-        stats = replicas[i].stats
-        computed = stats["computed_prefill_tokens"] - last_computed[i]
-        last_computed[i] = stats["computed_prefill_tokens"]
-        duration = step_s(computed, decode, context)
-        busy_s[i] += duration
-        running[i] = True
-        seq += 1
-        heapq.heappush(steps, (now + duration, seq, i, progressed))
-
-    def catch_up(i: int) -> None:
-        """Run replica i's stretch up to the step in progress (scheduled when it started)."""
-        s = stretch[i]
-        if s[5] < s[2] + 1:
-            replicas[i].advance(s[2] + 1 - s[5])
-            s[5] = s[2] + 1
-
-    def next_decode_step(i: int, now: float) -> None:
-        """Time the next step of replica i's stretch: what `start_step` would for that step."""
-        nonlocal seq
-        s = stretch[i]
-        duration = step_s(0, s[0], s[1] + s[0] * (s[2] + 1))   # each request's context grew by one per step
-        busy_s[i] += duration
-        running[i] = True
-        seq += 1
-        heapq.heappush(steps, (now + duration, seq, i, None))
-
-    last_computed = [replicas[i].stats["computed_prefill_tokens"] for i in range(n)]
-    next_arrival = 0
-    now = first_arrival
-    while next_arrival < len(trace) or steps:
-        if next_arrival < len(trace) and (not steps or trace[next_arrival].arrival < steps[0][0]):
-            treq = trace[next_arrival]
-            next_arrival += 1
-            now = treq.arrival
-            i = policy.choose(treq, view)
-            policy.routed(treq, i)
-            routes[treq.id] = i
-            req = replicas[i].submit(next_arrival - 1, treq)
-            owner[id(req)] = treq
-            routed[i] += 1
-            view.inflight[i] += 1
-            view.outstanding[i] += treq.num_prompt_tokens + treq.max_new_tokens
-            if stretch[i] is not None:
-                stretch[i][4] = True   # the request waits for the step in progress to end
-            elif not running[i]:
-                start_step(i, now)
-            continue
-        now, _, i, progressed = heappop(steps)
-        if progressed is None:         # a step of a stretch: every request decoded one token
-            s = stretch[i]
-            s[2] += 1
-            output_tokens += s[0]
-            view.outstanding[i] -= s[0]
-            if s[2] < s[3] and not s[4]:   # the next step of the stretch (next_decode_step, inlined)
-                duration = step_s(0, s[0], s[1] + s[0] * (s[2] + 1))
-                busy_s[i] += duration
-                seq += 1
-                heappush(steps, (now + duration, seq, i, None))
-                continue
-            if s[5] < s[2]:
-                replicas[i].advance(s[2] - s[5])
-            stretch[i] = None
-            running[i] = False
-            if replicas[i].has_unfinished():
-                start_step(i, now)
-            continue
-        running[i] = False
-        output_tokens += len(progressed)
-        for req in progressed:
-            treq = owner[id(req)]
-            generated = len(req.token_ids) - req.num_prompt_tokens
-            view.outstanding[i] -= 1 + (req.num_prompt_tokens if generated == 1 else 0)
-            if generated == 1:
-                ttft.append(now - treq.arrival)
-            if req.status == "finished":
-                del owner[id(req)]
-                view.inflight[i] -= 1
-                view.outstanding[i] -= treq.max_new_tokens - generated
-                done += 1
-                if keep_outputs:
-                    outputs[treq.id] = req.token_ids[req.num_prompt_tokens:]
-                if bar is not None and done % 256 == 0:
-                    bar.update(256)
-        if replicas[i].has_unfinished():
-            start_step(i, now)
+    loop = FleetLoop(trace, policy, replicas, time_model or default_time_model(), keep_outputs, fast_forward, bar)
+    start = time.perf_counter()
+    loop.run()
+    wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    wall = time.perf_counter() - start_wall
-    assert done == len(trace) and not owner and not any(view.inflight), "requests left unfinished"
-
-    per_replica = []
-    for i, rep in enumerate(replicas):
-        s = rep.stats
-        per_replica.append({"replica": i, "requests": routed[i], "busy_s": round(busy_s[i], 4),
-                            "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"],
-                            "computed_prefill_tokens": s["computed_prefill_tokens"], "preemptions": s["preemptions"]})
-    for r in per_replica:
-        assert r["preemptions"] or r["prompt_tokens"] == r["cached_tokens"] + r["computed_prefill_tokens"], \
-            f"replica {r['replica']}: prompt tokens are not cached + computed: {r}"
-    total = {k: sum(r[k] for r in per_replica) for k in ("prompt_tokens", "cached_tokens", "computed_prefill_tokens",
-                                                          "preemptions")}
-    makespan = now - first_arrival
-    prefill = total["cached_tokens"] + total["computed_prefill_tokens"]
-    mean_busy = sum(busy_s) / n
-    router = policy.tree_stats() if hasattr(policy, "tree_stats") else {}
-    if hasattr(policy, "decisions"):
-        router = {**router, "decisions": dict(policy.decisions)}
-    return FleetResult(
-        policy=policy.name, replicas=n, requests=len(trace), prompt_tokens=total["prompt_tokens"],
-        computed_prefill_tokens=total["computed_prefill_tokens"], cached_tokens=total["cached_tokens"],
-        unique_token_floor=unique_token_floor(trace),
-        hit_rate=round(total["cached_tokens"] / prefill, 4) if prefill else 0.0,
-        load_imbalance=round(max(busy_s) / mean_busy, 3) if mean_busy else 1.0,
-        ttft_p50_s=round(_percentile(ttft, 50), 4), ttft_p99_s=round(_percentile(ttft, 99), 4),
-        throughput_tok_s=round(output_tokens / makespan, 1) if makespan else 0.0, makespan_s=round(makespan, 3),
-        output_tokens=output_tokens, preemptions=total["preemptions"], wall_s=wall, per_replica=per_replica,
-        router=router, routes=routes, outputs=outputs)
+    return loop.result(wall)
 
 
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",

@@ -144,6 +144,20 @@ class KVManager(ABC):
         no request runs); idempotent. Nothing here: a tiered manager (chapter 8) writes what its
         memory tiers hold to its disk tier."""
 
+    # --- many plain decode steps at once (`Scheduler.decode_stretch`) ------------------------------
+    def decode_rounds(self, reqs: list[Request], rounds: int) -> tuple[int, bool]:
+        """Query: how many of the next `rounds` plain decode steps of `reqs` (round k gives each
+        request, in turn, a slot for its k-th next token) `grow_rounds` can run at once, none of
+        them short of memory, and whether they evict cached tokens. (0, False) where a decode step
+        does more than `grow`, as here by default ("blocks" publishes each block a decode fills)."""
+        return 0, False
+
+    def grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
+        """Mutation: what `rounds` rounds of `grow` over `reqs` do, `rounds` at most what
+        `decode_rounds` allows: the same slots in the same order, and the same evictions. Returns
+        the tokens each round evicted."""
+        raise NotImplementedError(f"{type(self).__name__} grows one decode step at a time (decode_rounds is 0)")
+
     # --- shared bookkeeping for subclasses --------------------------------------------------------
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size)
@@ -204,30 +218,25 @@ class SlotKV(KVManager):
         h.num_slots += self.page_size
         return True
 
-    # --- the model-free simulator's fast path (kvlearn.routing.fleet): many decode steps at once ---
+    # --- many plain decode steps at once: a decode step here only grows (`after_forward` does
+    # nothing for it), so a run of them is a run of `grow` rounds, done in a few pool calls
     def _round_pages(self, reqs: list[Request], rounds: int) -> int:
-        """Query: pages the first `rounds` rounds of `grow` over `reqs` take (round k gives each
-        request a slot for its k-th next token)."""
+        """Pages the first `rounds` rounds of `grow` over `reqs` take."""
         p = self.page_size
         return sum(max(0, -(-(len(r.token_ids) + rounds - 1) // p) - r.kv.num_slots // p) for r in reqs)
 
-    def _rounds_with_room(self, reqs: list[Request], rounds: int) -> int:
-        """Query: how many of `rounds` rounds of `grow` over `reqs` succeed, none of them preempting:
-        the rounds that free slots and evictable cached slots cover."""
+    def decode_rounds(self, reqs: list[Request], rounds: int) -> tuple[int, bool]:
+        # the rounds that free slots and evictable cached slots cover
         room = (self.pool.num_free + self.evictable_slots) // self.page_size
-        if self._round_pages(reqs, rounds) <= room:
-            return rounds
-        lo, hi = 0, rounds - 1      # the first lo rounds fit, the first hi + 1 do not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._round_pages(reqs, mid) <= room else (lo, mid - 1)
-        return lo
+        if self._round_pages(reqs, rounds) > room:
+            lo, hi = 0, rounds - 1      # the first lo rounds fit, the first hi + 1 do not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._round_pages(reqs, mid) <= room else (lo, mid - 1)
+            rounds = lo
+        return rounds, self._round_pages(reqs, rounds) * self.page_size > self.free_slots
 
-    def _grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
-        """Mutation: what `rounds` rounds of `grow` over `reqs` do (round k: each request in turn,
-        room for its k-th next token), in a few pool calls: the same slots in the same order, and
-        the same evictions where a round finds the pool empty. Returns the tokens each round
-        evicted. The caller made sure the rounds have room (`_rounds_with_room`)."""
+    def grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
         p = self.page_size
         evicted = [0] * rounds
         if p == 1 and all(len(req.token_ids) == req.kv.num_slots + 1 for req in reqs) \

@@ -1,4 +1,4 @@
-"""Chapter 8: the scheduler without the model (as chapter 6's `simulate`), over the tiered mode.
+"""Chapter 8: the scheduler without the model (chapter 6's `SimEngine`), over the tiered mode.
 
 Each round of prompts is one batch of arrivals, served to the end before the next round comes (as
 users take turns in a chat). Every request answers with the same filler token; the pools hold one
@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvlearn.pool import KVPool
 from kvlearn.serving.engine import with_rates
 from kvlearn.serving.request import Request
-from kvlearn.serving.scheduler import Scheduler
+from kvlearn.serving.simulate import SimEngine
 from kvlearn.tiers.host import host_pool_for
 from kvlearn.tiers.manager import TieredRadixKV, tier_counters
 
@@ -21,13 +21,13 @@ def simulate_tiers(rounds, num_slots: int, host_slots: int | None = None, write_
     `Engine.stats` (wall time 0) summed over the rounds."""
     pool = KVPool(1, 1, 1, num_slots)
     kv = TieredRadixKV(pool, host=host_pool_for(pool, host_slots) if host_slots else None, write_policy=write_policy)
-    scheduler = Scheduler(kv)
+    sim = SimEngine(kv, filler=0)
     rid = 0
     for prompts in rounds:
         for prompt in prompts:
-            scheduler.add(Request(rid, list(prompt), max_new_tokens))
+            sim.add(Request(rid, list(prompt), max_new_tokens))
             rid += 1
-        while scheduler.has_unfinished():
-            batch = scheduler.schedule()
-            scheduler.postprocess(batch, [prompt[-1]] * len(batch))  # filler: never an end of sequence
-    return with_rates(scheduler.stats, 0.0) | tier_counters(kv)
+        if prompts:
+            sim.filler = prompts[-1][-1]   # a token of the round's last prompt: never an end of sequence
+            sim.run()
+    return with_rates(sim.stats, 0.0) | tier_counters(kv)
