@@ -182,7 +182,7 @@ def test_a_fault_while_kv_moves_between_tiers_leaves_the_engine_whole(tiny, toke
     probe = fresh()
     counts = count_calls(probe, lambda: tiered_tokens(probe))
     assert tiered_tokens(fresh()) == reference
-    stats = probe.kv.tier_stats
+    stats = probe.kv.counters()
     assert stats["loaded_from_host_tokens"] > 0 and stats["loaded_from_disk_tokens"] > 0, stats
     assert stats["disk_pages_evicted"] > 0, stats
     assert {("kv.tree", "load_back"), ("kv.tree.disk", "get"), ("kv.tree.disk", "put")} <= set(counts)

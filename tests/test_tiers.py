@@ -136,10 +136,10 @@ PROMPTS = [[1 + i % 3] * 12 + [20 + i] * 6 for i in range(6)]  # three shared he
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_pressure_moves_nodes_down_and_back_with_the_right_kv(tmp_path, policy):
     kv, scheduler = run_tiered(PROMPTS, num_slots=48, host_slots=64, policy=policy)
-    stats = kv.tier_stats
+    stats = kv.counters()
     assert stats["offloaded_tokens"] > 0 and stats["loaded_from_host_tokens"] > 0
     kv_none, _ = run_tiered(PROMPTS, num_slots=48, host_slots=None, disk_dir=tmp_path, policy=policy)
-    assert kv_none.tier_stats["loaded_from_disk_tokens"] > 0
+    assert kv_none.counters()["loaded_from_disk_tokens"] > 0
 
 
 def test_host_tier_saves_prefill_over_no_tier():

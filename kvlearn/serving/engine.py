@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -23,11 +24,11 @@ from kvlearn.errors import KVCapacityError, check_choice, check_positive_int
 from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
-from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
+from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size, make_kv_manager
+from kvlearn.serving.kv_factories import registered_kv
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import SCHEDULES, Scheduler, StepReport
-from kvlearn.tiers import check_tier_options, make_tiered_kv, tier_counters
 
 DEFAULT_NUM_SLOTS = 8192        # about 377 MB of float32 KV for SmolLM2-135M
 
@@ -50,6 +51,21 @@ class GenerationOutput:
     def __repr__(self) -> str:
         shown = self.text if len(self.text) <= 60 else self.text[:57] + "..."
         return f"GenerationOutput(r{self.request_id}, {len(self.token_ids)} tokens: {shown!r})"
+
+
+def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str, disk_max_bytes=None) -> None:
+    """Refuse tier options the engine cannot honour, before anything is built (the folder itself is
+    checked by the tiers' factory; the disk capacity's lower bound, one entry, depends on the model)."""
+    check_choice("write_policy", write_policy, WRITE_POLICIES)
+    if host_slots is not None:
+        check_positive_int("host_slots", host_slots, " (tokens of KV the host tier holds)")
+    if disk_max_bytes is not None:
+        check_positive_int("disk_max_bytes", disk_max_bytes, " (bytes the disk tier may use)")
+        if disk_dir is None:
+            raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
+    if (host_slots is not None or disk_dir is not None) and cache != "radix":
+        raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
+                         f"tree), got cache={cache!r}.")
 
 
 def with_rates(counters: dict, wall_time_s: float) -> dict:
@@ -116,11 +132,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.runner = ModelRunner(model, self.pool, fast=fast)
-        if host_slots is None and disk_dir is None:
-            self.kv = make_kv_manager(cache, self.pool, max_running)
-        else:
-            self.kv = make_tiered_kv(self.pool, model, host_slots, disk_dir, write_policy, max_running,
-                                     disk_max_bytes)
+        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
+        options = SimpleNamespace(cache=cache, host_slots=host_slots, disk_dir=disk_dir, write_policy=write_policy,
+                                  disk_max_bytes=disk_max_bytes, max_running=max_running)
+        self.kv = registered_kv(options, self.pool, model) or make_kv_manager(cache, self.pool, max_running)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, schedule, self.eos_token_ids,
                                    chunked_prefill=chunked_prefill, share_in_step=share_in_step)
         self._busy = threading.Lock()
@@ -258,7 +273,7 @@ class Engine:
     def reset_stats(self) -> None:
         self.scheduler.reset_stats()
         self._wall_time = 0.0
-        self._tier_start = tier_counters(self.kv)
+        self._counters_start = self.kv.counters()
 
     @property
     def stats(self) -> dict:
@@ -266,7 +281,7 @@ class Engine:
         cached / (cached + computed) prefill tokens and the wall time spent in `step`, and the tier
         counters (offloaded_tokens, loaded_from_host_tokens, loaded_from_disk_tokens; 0 without tiers)."""
         stats = with_rates(self.scheduler.stats, self._wall_time)
-        stats.update({k: v - self._tier_start[k] for k, v in tier_counters(self.kv).items()})
+        stats.update({k: v - self._counters_start[k] for k, v in self.kv.counters().items()})
         return stats
 
     def evict_all(self) -> int:
