@@ -9,7 +9,7 @@ import torch
 
 from kvlearn import Engine, KVPool, RadixCache, Sequence
 from kvlearn.serving.cache_modes import CACHE_MODES
-from tests.faults import InjectedFault, count_calls, inject, restore, tiny_model, whole
+from tests.faults import FAULT, InjectedFault, count_calls, inject, restore, tiny_model, whole
 
 # Four prompts that share prefixes, in a pool too small for all of them: admission evicts, decoding
 # preempts, so every bookkeeping path runs.
@@ -186,6 +186,9 @@ def test_a_fault_while_kv_moves_between_tiers_leaves_the_engine_whole(tiny, toke
     assert stats["loaded_from_host_tokens"] > 0 and stats["loaded_from_disk_tokens"] > 0, stats
     assert stats["disk_pages_evicted"] > 0, stats
     assert {("kv.tree", "load_back"), ("kv.tree.disk", "get"), ("kv.tree.disk", "put")} <= set(counts)
+    reached = {name for path, name in counts if path == FAULT}
+    assert {"tiers.load_disk", "tiers.to_device", "tiers.backup", "tiers.evict_device", "tiers.evict_host",
+            "tiers.remove", "tiers.persist", "disk.make_room"} <= reached, reached
     tried, broken = 0, []
     for (path, name), n in sorted(counts.items()):
         for k in sample(n):

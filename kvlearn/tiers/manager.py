@@ -51,21 +51,22 @@ class TieredRadixKV(RadixKV):
     def cached_len(self, token_ids: list[int]) -> int:
         return self.tree.reachable_len(token_ids[:-1])
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None, lent=None) -> int | None:
-        # `prefix` is the match's device part; its slots for the rest come fresh from the pool.
-        # Load what lies below the device into them before any forward reads the row.
-        if super()._admit_after(req, prefix, last_node) is None:
+    def admit(self, req: Request, lent: torch.Tensor | None = None) -> int | None:
+        # Chapter 6's radix admission gives the row the match's device part, then fresh slots for
+        # the rest, and locks the match. Load what lies below the device into them before any
+        # forward reads the row.
+        if super().admit(req) is None:
             return None
         h = req.kv
         row = self.rows.req_to_token[h.row, :h.num_slots]
         try:
-            h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], last_node, row)
+            h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], h.last_node, row)
         except BaseException:
-            # Undo the admission; `admit` then unlocks `last_node`, which still holds the lock. The
-            # tree keeps the slots it adopted (nodes brought back before the failure); the
-            # request's other slots and its row go back.
+            # Undo the admission. The tree keeps the slots it adopted (nodes brought back before the
+            # failure) and `last_node` still holds the lock: `release` (nothing computed yet) hands
+            # back the lock, the request's other slots and its row.
             h.prefix_len = self.tree.device_head(req.token_ids[:-1], row)
-            self._free_private(req)
+            self.release(req)
             raise
         return h.prefix_len
 
