@@ -4,6 +4,9 @@ real model against Hugging Face `generate` under memory pressure and across a re
 
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from kvlearn.serving.scheduler import Scheduler
 from kvlearn.serving.workloads import make_workload
 from kvlearn.tiers import DiskStore, TieredRadixCache, TieredRadixKV
 from kvlearn.tiers.host import host_pool_for
+from tests.faults import tiny_model
 from tests.hf_reference import hf_greedy
 from tests.test_engine import EOS, next_token, reference
 
@@ -190,6 +194,17 @@ def test_chapter_3s_eviction_policy_orders_the_device_and_the_host(policy, devic
     left = set(keys) - {name(n) for n in tiered.nodes()[1:]}
     assert "".join(order) == device_order and left == {left_the_host}
     assert device.num_free == device.num_slots and tiered.host_size == 4
+
+
+def test_the_engine_gets_the_tiers_through_chapter_6s_kv_factory_registry(tokenizer):
+    code = "import sys, kvlearn.serving.engine; print(sorted(m for m in sys.modules if 'tiers' in m))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                            text=True, check=True).stdout
+    assert loaded.strip() == "[]"  # chapter 6 does not import chapter 8
+    engine = Engine(tiny_model(), tokenizer, num_slots=64, host_slots=32)
+    assert isinstance(engine.kv, TieredRadixKV) and engine.kv.tree.host.num_slots == 32
+    plain = Engine(tiny_model(), tokenizer, num_slots=64)
+    assert not isinstance(plain.kv, TieredRadixKV) and plain.kv.counters() == engine.kv.counters()
 
 
 # --- the real model ----------------------------------------------------------------------------------
