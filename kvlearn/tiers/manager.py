@@ -20,7 +20,7 @@ from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import RadixKV
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
-from kvlearn.tiers.disk import DiskStore, check_folder, model_identity
+from kvlearn.tiers.disk import DiskStore, model_identity
 from kvlearn.tiers.host import host_pool_for
 from kvlearn.tiers.tree import TieredRadixCache
 
@@ -99,12 +99,10 @@ def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
     None: no limit."""
     if options.host_slots is None and options.disk_dir is None:
         return None
-    if options.disk_dir is not None:
-        check_folder(options.disk_dir)  # before the host pool takes memory
-    host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
     disk = None
-    if options.disk_dir is not None:
+    if options.disk_dir is not None:  # first: it checks the folder before the host pool takes memory
         page = -(-DISK_PAGE_TOKENS // pool.page_size) * pool.page_size
         disk = DiskStore(options.disk_dir, model_identity(model), pool.dtype,
                          (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=options.disk_max_bytes)
+    host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
     return TieredRadixKV(pool, options.max_running, host, disk, options.write_policy)

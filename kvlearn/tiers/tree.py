@@ -41,6 +41,8 @@ Each such step starts at a declared fault point (`kvlearn.errors.fault_point`, "
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kvlearn.errors import check_choice, fault_point
@@ -61,7 +63,7 @@ class TieredRadixCache(RadixCache):
     """
 
     def __init__(self, pool: KVPool, host: KVPool | None = None, disk: DiskStore | None = None,
-                 write_policy: str = "write_back", eviction_policy="lru"):
+                 write_policy: str = "write_back", eviction_policy: str | Callable[[TreeNode], object] = "lru"):
         check_choice("write_policy", write_policy, WRITE_POLICIES)
         if host is not None and host.page_size != pool.page_size:
             raise ValueError(f"the host pool's page_size ({host.page_size}) must be the device pool's "
