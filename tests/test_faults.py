@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlearn import Engine, KVPool, RadixCache, Sequence
+from kvlearn.errors import set_fault_hook
 from kvlearn.serving.cache_modes import CACHE_MODES
 from tests.faults import FAULT, InjectedFault, count_calls, inject, restore, tiny_model, whole
 
@@ -22,6 +23,13 @@ SLOTS = {"radix": 40, "none": 40, "blocks": 40}
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model()
+
+
+@pytest.fixture(autouse=True)
+def disarmed_fault_points():
+    """A test that fails between `inject` and `restore` leaves no fault point armed for the next."""
+    yield
+    set_fault_hook(None)
 
 
 def engine(model, tokenizer, cache):
