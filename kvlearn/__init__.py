@@ -1,10 +1,13 @@
 """kvlearn: the KV-cache layer of an LLM inference engine, built chapter by chapter.
 
 Names are imported lazily so that `import kvlearn` stays fast and does not pull in transformers
-until a chapter needs the model.
+until a chapter needs the model. Chapter 8's tiers reach the engine through chapter 6's registry of
+KV factories, filled here (the tiers are imported when an engine is built, not before).
 """
 
 from importlib import import_module
+
+from kvlearn.serving.kv_factories import register_kv_factory
 
 _EXPORTS = {
     "load_model": "model",
@@ -25,6 +28,16 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+def _tiered_kv(options, pool, model):
+    """Chapter 8's tiered radix mode when the engine's options ask for host or disk tiers, else None."""
+    from kvlearn.tiers.manager import make_tiered_kv
+
+    return make_tiered_kv(options, pool, model)
+
+
+register_kv_factory(_tiered_kv)
 
 
 def __getattr__(name):

@@ -2,7 +2,16 @@
 
 Every check raises TypeError for a value of the wrong type (bools are never sizes or ids) and
 ValueError for a value out of range, naming the argument and what to give instead.
+
+Fault points: a step of the bookkeeping that a test may make fail calls `fault_point(name)` first.
+It does nothing unless a test armed a hook (`set_fault_hook`, see tests/faults.py), which gets the
+name and may raise, as an error or a Ctrl-C at that point would. Public methods are injected as
+they are; the fault points name the inner steps, so that no test depends on a private name.
 """
+
+from typing import Callable
+
+_fault_hook: Callable[[str], None] | None = None
 
 
 class KVCapacityError(RuntimeError):
@@ -29,3 +38,16 @@ def check_choice(name: str, value, choices) -> str:
     if value not in choices:
         raise ValueError(f"Unknown {name} {value!r}: choose one of {', '.join(map(repr, choices))}.")
     return value
+
+
+def fault_point(name: str) -> None:
+    """A declared place where a test may inject a fault: calls the armed hook with `name` (it may
+    raise); a no-op when none is armed."""
+    if _fault_hook is not None:
+        _fault_hook(name)
+
+
+def set_fault_hook(hook: Callable[[str], None] | None) -> None:
+    """Arm every fault point with `hook(name)` (for tests), or disarm them with None."""
+    global _fault_hook
+    _fault_hook = hook

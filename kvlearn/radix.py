@@ -19,6 +19,15 @@ Invariants, kept by every public method:
   `match_prefix` or `insert` call (no wall time: the same calls give the same evictions); "lfu" is
   `(hits, last_access)`; ties go to the older node id. `match_len` is a pure query: it neither
   splits nor ticks nor counts a hit.
+
+Extension points, public on purpose (chapter 8's tiered tree is built on them and on nothing else):
+- per-node fields for where the KV lives below the device (`TreeNode.host_value`, `on_device`,
+  `on_disk`, as SGLang's `host_value`/`backuped`/`evicted`): this tree leaves them at their defaults;
+- `as_key(key)`: how a key becomes a tuple of token ids (a subclass may skip checks it made before);
+- `can_evict(node)` and `evict_node(node)`: which nodes `evict` may take, and what taking one does;
+  `eviction_key(node)`: the policy's key; `requeue(node)`: put a node (back) in the eviction order
+  after changing what `can_evict` or `eviction_key` reads; `remove_leaf(node)`: take a leaf out;
+- `on_split(upper, lower)`: called after an edge is cut, so a subclass cuts its own fields too.
 """
 
 from __future__ import annotations
@@ -42,9 +51,17 @@ class TreeNode:
     using this node or a node below it; own_locks: those that locked exactly this node; last_access:
     logical time of the last match or insert that walked through it; hits: how many `match_prefix`
     calls walked through it (reused its KV). A node removed from the tree has `parent is None`.
+
+    Where the KV lives, for tiers below the device (chapter 8 sets them; this chapter's tree keeps
+    every node's KV in the device pool and leaves them at their defaults): on_device: whether
+    `value` is slots of the device pool (False: the node stays in the tree with its KV only on the
+    host, and `value` is `host_value`; SGLang's `evicted`); host_value: host slots of a copy of the
+    KV (one per token, like `value`), or None (SGLang's `host_value`, `backuped` when set);
+    on_disk: its full disk pages were written or read.
     """
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access", "hits")
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access", "hits",
+                 "on_device", "host_value", "on_disk")
 
     def __init__(self, node_id: int, key: tuple, value: torch.Tensor, parent: TreeNode | None,
                  lock_ref: int = 0, last_access: int = 0, hits: int = 0):
@@ -57,6 +74,9 @@ class TreeNode:
         self.own_locks = 0
         self.last_access = last_access
         self.hits = hits
+        self.on_device = True
+        self.host_value: torch.Tensor | None = None
+        self.on_disk = False
 
     def __len__(self) -> int:
         return len(self.key)
@@ -220,17 +240,17 @@ class RadixCache:
         """Longest cached prefix of `key` (whole pages only). Splits the edge where the match ends
         inside it, so `last_node` ends exactly at the matched length; touches the matched path and
         counts a hit on each of its nodes."""
-        key = self._aligned(self._as_key(key))
+        key = self._aligned(self.as_key(key))
         self._clock += 1
         node, _, values = self._walk(key, hit=1)
-        self._touch_leaf(node)
+        self.requeue(node)
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return MatchResult(indices, node)
 
     def match_len(self, key) -> int:
         """How many tokens `match_prefix(key)` would match now (whole pages), as a pure query: it
         splits no edge and ticks no clock, so asking (e.g. to order a queue) changes nothing."""
-        key = self._aligned(self._as_key(key))
+        key = self._aligned(self.as_key(key))
         node, i, n = self.root, 0, len(key)
         while i < n:
             child = node.children.get(key[i] if self.page_size == 1 else key[i:i + self.page_size])
@@ -251,7 +271,7 @@ class RadixCache:
     def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
         """`insert`, also returning the match of the whole (aligned) key after inserting it: the
         tree's slots for every token and the node to lock while they are in use."""
-        key = self._as_key(key)
+        key = self.as_key(key)
         value = self._as_value(value, len(key))
         key = self._aligned(key)
         self._clock += 1
@@ -264,7 +284,7 @@ class RadixCache:
             self._evictable += len(leaf.key)
             values.append(leaf.value)
             node = leaf
-        self._touch_leaf(node)
+        self.requeue(node)
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return matched, MatchResult(indices, node)
 
@@ -313,7 +333,13 @@ class RadixCache:
         child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
         upper.children[self._child_key(child.key)] = child
         self._nodes[upper.id] = upper
+        self.on_split(upper, child)
         return upper
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook: an edge was just cut into `upper` (its first `len(upper)` tokens) and `lower` (the
+        rest, the same node object as before). This tree has cut its own fields; a subclass that
+        keeps per-token fields of its own (chapter 8: `host_value`) cuts them here. Nothing here."""
 
     # --- locking ------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
@@ -352,7 +378,7 @@ class RadixCache:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
             node = node.parent
-        self._touch_leaf(start)
+        self.requeue(start)
 
     def _check_node(self, node) -> None:
         if not isinstance(node, TreeNode):
@@ -363,49 +389,74 @@ class RadixCache:
 
     # --- eviction -----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` tokens (whole leaves, smallest eviction key first: least
-        recently used under "lru") or every evictable token if there are fewer; return the number
-        freed. Each evicted node's slots go to `evict_callback`. A parent left as an unlocked leaf
-        becomes a candidate in turn."""
+        """Free at least `num_tokens` tokens (smallest eviction key first: least recently used under
+        "lru") or every evictable token if there are fewer; return the number freed. Each victim is
+        a node `can_evict` allows, taken by `evict_node`: here an unlocked leaf, whose slots go to
+        `evict_callback`; a parent left as an unlocked leaf becomes a candidate in turn."""
         check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
         freed = 0
         while freed < num_tokens and self._heap:
             key, node_id = heapq.heappop(self._heap)
             node = self._nodes.get(node_id)
             # Entries go stale when the node was touched again, grew a child, got locked or left.
-            if node is None or node.children or node.lock_ref or self._key(node) != key:
+            if node is None or not self.can_evict(node) or self.eviction_key(node) != key:
                 continue
-            # Hand the slots back first: if the callback raises, the node stays cached (its slots
-            # were not taken back) and in line for the next eviction, so nothing leaks.
-            if self.evict_callback is not None:
-                try:
-                    self.evict_callback(node.value)
-                except BaseException:
-                    heapq.heappush(self._heap, (key, node_id))
-                    raise
-            parent = node.parent
-            del parent.children[self._child_key(node.key)]
-            del self._nodes[node.id]
-            node.parent = None
-            self._evictable -= len(node.key)
-            freed += len(node.key)
-            self._touch_leaf(parent)
+            try:
+                freed += self.evict_node(node)
+            except BaseException:  # the node is whole (see evict_node) and stays in line
+                heapq.heappush(self._heap, (key, node_id))
+                raise
         return freed
 
-    def _touch_leaf(self, node: TreeNode) -> None:
-        """Make sure an unlocked leaf has a heap entry with its current eviction key. Called
-        whenever a node may have become such a leaf or changed its counters: after a walk, an
-        unlock, an eviction of its last child. Stale entries are skipped at pop time."""
+    def eviction_key(self, node: TreeNode):
+        """Query: the eviction policy's key of `node` (smallest evicted first)."""
+        return self._key(node)
+
+    def can_evict(self, node: TreeNode) -> bool:
+        """Query, and a hook: whether `evict` may take this node now. Here: an unlocked leaf (not
+        the root). A subclass that widens it calls `requeue` when a node may have become one."""
+        return not node.children and not node.lock_ref and node is not self.root
+
+    def evict_node(self, node: TreeNode) -> int:
+        """Mutation, and a hook: evict one node `can_evict` allows; return the slots freed. Here its
+        slots go to `evict_callback` first (if that raises, the node stays cached, whole, and nothing
+        leaks), then it leaves the tree (`remove_leaf`). An override keeps that rule: if it raises,
+        the node is whole and still cached."""
+        if self.evict_callback is not None:
+            self.evict_callback(node.value)
+        self.remove_leaf(node)
+        return len(node.key)
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Mutation: take an unlocked leaf out of the tree; its slots were given back already (by
+        `evict_node`, or wherever a subclass keeps them). Its parent may become a candidate."""
+        self._check_node(node)
         if node.children or node.lock_ref or node is self.root:
+            raise ValueError(f"remove_leaf: node #{node.id} is not an unlocked leaf.")
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
+        del self._nodes[node.id]
+        node.parent = None
+        self._evictable -= len(node.key)
+        self.requeue(parent)
+
+    def requeue(self, node: TreeNode) -> None:
+        """Mutation of the eviction order only: if `can_evict(node)`, give it an entry under its
+        current `eviction_key`. Called wherever a node may have become a candidate or changed its
+        key: after a walk, an unlock, a removal of its last child (and by a subclass, after changing
+        what `can_evict` reads). Stale entries are skipped when popped."""
+        if not self.can_evict(node):
             return
-        heapq.heappush(self._heap, (self._key(node), node.id))
+        heapq.heappush(self._heap, (self.eviction_key(node), node.id))
         if len(self._heap) > 2 * len(self._nodes) + 64:  # too many stale entries: rebuild, O(1) amortized
-            self._heap = [(self._key(n), n.id) for n in self._nodes.values()
-                          if not n.children and not n.lock_ref and n is not self.root]
+            self._heap = [(self.eviction_key(n), n.id) for n in self._nodes.values() if self.can_evict(n)]
             heapq.heapify(self._heap)
 
     # --- input checks -------------------------------------------------------------------------
-    def _as_key(self, key) -> tuple:
+    def as_key(self, key) -> tuple:
+        """Query, and a hook: the tuple of token ids `key` stands for (a list or tuple of ints, or a
+        1-D integer tensor), checked: ints >= 0. A subclass whose keys were checked before may
+        skip the check."""
         return as_token_key(key)
 
     def _as_value(self, value, n: int) -> torch.Tensor:
@@ -444,6 +495,5 @@ class RadixCache:
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"sizes drifted: counted evictable={evictable}, protected={protected}, "
             f"kept evictable={self._evictable}, protected={self._protected}")
-        live = {(self._key(n), n.id) for n in self._nodes.values()
-                if not n.children and not n.lock_ref and n is not self.root}
-        assert live <= set(self._heap), "an unlocked leaf is missing from the eviction heap"
+        live = {(self.eviction_key(n), n.id) for n in self._nodes.values() if self.can_evict(n)}
+        assert live <= set(self._heap), "an eviction candidate is missing from the eviction heap"

@@ -1,16 +1,20 @@
 """Fault injection for the engine: make one bookkeeping call raise, then check the engine is whole.
 
-A *site* is a method of one of the engine's parts (the pool, its allocator, the request rows, the
-radix tree or block manager, the runner; with chapter 8's tiers also the tiered tree's moves
-between tiers, the host pool and the disk store). `inject(engine, site, k)` makes the k-th call of that
-site raise (once) before it runs, as an error or a Ctrl-C at that call would. After the failed
-`generate`, `check_whole` runs the same prompts again and expects the tokens of a fresh engine,
-then evicts the cache and expects every slot free, every row free and nothing locked.
+A *site* is a public method of one of the engine's parts (the pool, its allocator, the request rows,
+the radix tree or block manager, the runner; with chapter 8's tiers also the tiered tree's
+`load_back`, the host pool and the disk store), or a declared fault point (`kvlearn.errors.
+fault_point`: the steps inside that move KV between tiers), as the pair ("fault", its name).
+`inject(engine, path, name, k)` makes the k-th call of that site raise (once) before it runs, as an
+error or a Ctrl-C at that call would. After the failed `generate`, the test runs the same prompts
+again and expects the tokens of a fresh engine, then evicts the cache and expects (`whole`) every
+slot free, every row free and nothing locked. No site is a private name.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvlearn.errors import set_fault_hook
 
 SITES = {
     "pool": ("alloc", "free"),
@@ -20,13 +24,15 @@ SITES = {
     "kv.manager": ("allocate", "may_append", "hash_blocks", "deallocate", "evict_cached"),
     "runner": ("run",),
 }
-# Chapter 8's tiered tree (an engine with host_slots or disk_dir): what moves KV between tiers.
+# Chapter 8's tiered tree (an engine with host_slots or disk_dir): what moves KV between tiers. Its
+# inner steps ("tiers.backup", "tiers.persist", "disk.make_room", ...) are fault points, found by
+# `count_calls` as they are reached.
 TIER_SITES = {
-    "kv.tree": ("load_back", "_load_disk", "_to_device", "_backup", "_evict_device", "_evict_host", "_remove",
-                "_persist"),
+    "kv.tree": ("load_back",),
     "kv.tree.host": ("alloc", "free"),
-    "kv.tree.disk": ("get", "holds", "put", "touch", "_make_room"),
+    "kv.tree.disk": ("get", "holds", "put", "touch"),
 }
+FAULT = "fault"  # the path of a site that is a fault point
 
 
 class InjectedFault(Exception):
@@ -61,8 +67,12 @@ def sites(engine) -> list[tuple[str, str]]:
 
 
 def count_calls(engine, run) -> dict[tuple[str, str], int]:
-    """How often `run()` calls each site."""
+    """How often `run()` calls each site (the fault points it reaches included)."""
     counts = {}
+
+    def reached(name):
+        counts[FAULT, name] = counts.get((FAULT, name), 0) + 1
+    set_fault_hook(reached)
     for path, name in sites(engine):
         obj, real = owner(engine, path), getattr(owner(engine, path), name)
 
@@ -78,9 +88,18 @@ def count_calls(engine, run) -> dict[tuple[str, str], int]:
 
 
 def inject(engine, path: str, name: str, k: int, fault=InjectedFault) -> None:
-    """Make the k-th call of `path.name` raise `fault` (once), before the real call runs."""
-    obj, real = owner(engine, path), getattr(owner(engine, path), name)
+    """Make the k-th call of `path.name` (of fault point `name` if path is FAULT) raise `fault`
+    (once), before the real call runs."""
     calls = [0]
+    if path == FAULT:
+        def armed(reached):
+            if reached == name:
+                calls[0] += 1
+                if calls[0] == k:
+                    raise fault(f"injected at call {k} of fault point {name}")
+        set_fault_hook(armed)
+        return
+    obj, real = owner(engine, path), getattr(owner(engine, path), name)
 
     def faulty(*args, **kwargs):
         calls[0] += 1
@@ -91,7 +110,9 @@ def inject(engine, path: str, name: str, k: int, fault=InjectedFault) -> None:
 
 
 def restore(engine) -> None:
-    """Remove every injected or counting wrapper (instance attributes shadow the real methods)."""
+    """Remove every injected or counting wrapper (instance attributes shadow the real methods) and
+    disarm the fault points."""
+    set_fault_hook(None)
     for path, name in sites(engine):
         obj = owner(engine, path)
         if name in vars(obj):

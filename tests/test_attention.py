@@ -5,7 +5,7 @@ import torch
 from transformers import AttentionInterface
 
 from tests.hf_reference import hf_greedy
-from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_attention
+from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate

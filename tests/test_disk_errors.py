@@ -116,7 +116,7 @@ def test_an_os_error_on_any_disk_operation_is_a_miss_counted_and_warned_once(tmp
         assert fake.hits > 0, f"the run never reached {operation}"
     kind = f"errors_{error.lower()}"
     assert disk.stats["errors"] == disk.stats[kind] == fake.hits
-    assert kv.tier_stats["disk_errors"] == kv.tier_stats[f"disk_{kind}"] == fake.hits
+    assert kv.counters()["disk_errors"] == kv.counters()[f"disk_{kind}"] == fake.hits
     [message] = disk_warnings(caught)  # once per store, however many errors
     assert str(tmp_path) in message and error in message
     assert not list(tmp_path.glob(".tmp-*")), "a temporary file was left behind"
@@ -140,17 +140,17 @@ def test_a_folder_replaced_by_a_file_or_removed_then_back(tmp_path):
         folder.rmdir()
         folder.write_text("not a folder")
         assert serve(kv, PROMPTS) == expected
-        assert kv.tier_stats["disk_errors_enotdir"] > 0
+        assert kv.counters()["disk_errors_enotdir"] > 0
         folder.unlink()
         assert serve(kv, PROMPTS[::-1], rid0=100) == expected[::-1]
-        assert kv.tier_stats["disk_errors_enoent"] > 0
+        assert kv.counters()["disk_errors_enoent"] > 0
     assert len(disk_warnings(caught)) == 1 and str(folder) in disk_warnings(caught)[0]
-    assert kv.tier_stats["disk_pages_written"] == 0
+    assert kv.counters()["disk_pages_written"] == 0
     kv.evict_all()
     assert kv.pool.num_free == kv.pool.num_slots
     folder.mkdir()
     assert serve(kv, PROMPTS, rid0=200) == expected
-    assert kv.tier_stats["disk_pages_written"] > 0 and list(folder.glob("*.kv"))
+    assert kv.counters()["disk_pages_written"] > 0 and list(folder.glob("*.kv"))
 
 
 def test_a_folder_planted_under_an_entrys_name_is_a_miss_and_its_page_dropped(tmp_path):
@@ -242,7 +242,7 @@ def test_os_errors_during_generate_and_abort_leave_the_scheduler_whole(tmp_path,
             batch = scheduler.schedule()
             scheduler.postprocess(batch, forward(batch))
         scheduler.abort(requests)
-    assert fake.hits > 0 and kv.tier_stats["disk_errors_eio"] == fake.hits
+    assert fake.hits > 0 and kv.counters()["disk_errors_eio"] == fake.hits
     assert not scheduler.has_unfinished() and all(r.status in ("aborted", "finished") for r in requests)
     kv.evict_all()
     assert kv.pool.num_free == kv.pool.num_slots
@@ -259,7 +259,7 @@ def test_flush_writes_what_memory_holds_and_a_new_manager_finds_it(tmp_path):
     kv.flush()  # idempotent
     assert kv.tree.disk.stats["pages_written"] == written
     again = tiered(tmp_path, num_slots=256)  # a restart
-    assert serve(again, PROMPTS) == expected and again.tier_stats["loaded_from_disk_tokens"] > 0
+    assert serve(again, PROMPTS) == expected and again.counters()["loaded_from_disk_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kvlearn import Engine, KVPool, RadixCache, Sequence
+from kvlearn.errors import set_fault_hook
 from kvlearn.serving.cache_modes import CACHE_MODES
-from tests.faults import InjectedFault, count_calls, inject, restore, tiny_model, whole
+from tests.faults import FAULT, InjectedFault, count_calls, inject, restore, tiny_model, whole
 
 # Four prompts that share prefixes, in a pool too small for all of them: admission evicts, decoding
 # preempts, so every bookkeeping path runs.
@@ -22,6 +23,13 @@ SLOTS = {"radix": 40, "none": 40, "blocks": 40}
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model()
+
+
+@pytest.fixture(autouse=True)
+def disarmed_fault_points():
+    """A test that fails between `inject` and `restore` leaves no fault point armed for the next."""
+    yield
+    set_fault_hook(None)
 
 
 def engine(model, tokenizer, cache):
@@ -178,10 +186,13 @@ def test_a_fault_while_kv_moves_between_tiers_leaves_the_engine_whole(tiny, toke
     probe = fresh()
     counts = count_calls(probe, lambda: tiered_tokens(probe))
     assert tiered_tokens(fresh()) == reference
-    stats = probe.kv.tier_stats
+    stats = probe.kv.counters()
     assert stats["loaded_from_host_tokens"] > 0 and stats["loaded_from_disk_tokens"] > 0, stats
     assert stats["disk_pages_evicted"] > 0, stats
     assert {("kv.tree", "load_back"), ("kv.tree.disk", "get"), ("kv.tree.disk", "put")} <= set(counts)
+    reached = {name for path, name in counts if path == FAULT}
+    assert {"tiers.load_disk", "tiers.to_device", "tiers.backup", "tiers.evict_device", "tiers.evict_host",
+            "tiers.remove", "tiers.persist", "disk.make_room"} <= reached, reached
     tried, broken = 0, []
     for (path, name), n in sorted(counts.items()):
         for k in sample(n):

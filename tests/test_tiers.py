@@ -4,17 +4,22 @@ real model against Hugging Face `generate` under memory pressure and across a re
 
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvlearn.pool import KVPool
+from kvlearn.radix import RadixCache
 from kvlearn.serving.engine import Engine
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
 from kvlearn.serving.workloads import make_workload
-from kvlearn.tiers import DiskStore, TieredRadixKV
+from kvlearn.tiers import DiskStore, TieredRadixCache, TieredRadixKV
 from kvlearn.tiers.host import host_pool_for
+from tests.faults import tiny_model
 from tests.hf_reference import hf_greedy
 from tests.test_engine import EOS, next_token, reference
 
@@ -136,10 +141,10 @@ PROMPTS = [[1 + i % 3] * 12 + [20 + i] * 6 for i in range(6)]  # three shared he
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_pressure_moves_nodes_down_and_back_with_the_right_kv(tmp_path, policy):
     kv, scheduler = run_tiered(PROMPTS, num_slots=48, host_slots=64, policy=policy)
-    stats = kv.tier_stats
+    stats = kv.counters()
     assert stats["offloaded_tokens"] > 0 and stats["loaded_from_host_tokens"] > 0
     kv_none, _ = run_tiered(PROMPTS, num_slots=48, host_slots=None, disk_dir=tmp_path, policy=policy)
-    assert kv_none.tier_stats["loaded_from_disk_tokens"] > 0
+    assert kv_none.counters()["loaded_from_disk_tokens"] > 0
 
 
 def test_host_tier_saves_prefill_over_no_tier():
@@ -148,6 +153,58 @@ def test_host_tier_saves_prefill_over_no_tier():
     _, tiered = run_tiered(PROMPTS, num_slots=48, host_slots=256)
     plain = simulate(PROMPTS * 2, "radix", max_new_tokens=6, num_slots=48)
     assert tiered.stats["computed_prefill_tokens"] < plain["computed_prefill_tokens"]
+
+
+# --- chapter 3's eviction policies in the tiered tree ------------------------------------------------
+def most_recent_first(node):
+    return -node.last_access
+
+
+@pytest.mark.parametrize("policy, device_order, left_the_host", [
+    ("lru", "CAB", "C"), ("lfu", "CBA", "C"), (most_recent_first, "BAC", "B")])
+def test_chapter_3s_eviction_policy_orders_the_device_and_the_host(policy, device_order, left_the_host):
+    """A (2 hits, last used at t5), B (1 hit, t6), C (no hit, t3), two tokens each. The device moves
+    them to a host of room for two, in the policy's order (chapter 3's tree evicts in the same
+    order); the third needs room on the host, which drops the smallest key of the two there."""
+    keys = {"A": [1, 2], "B": [3, 4], "C": [5, 6]}
+
+    def used(tree, alloc):
+        for key in keys.values():
+            tree.insert(key, alloc())  # t1, t2, t3
+        for name in "AAB":
+            tree.match_prefix(keys[name])  # t4, t5, t6
+
+    def name(node):
+        return next(n for n, key in keys.items() if tuple(key) == node.key)
+
+    plain_order = []
+    plain = RadixCache(eviction_policy=policy, evict_callback=lambda slots: plain_order.append(slots))
+    used(plain, iter(torch.arange(6).view(3, 2)).__next__)
+    plain.evict(6)
+    device = KVPool(1, 1, 1, 8)
+    tiered = TieredRadixCache(device, host_pool_for(device, 4), eviction_policy=policy)
+    used(tiered, lambda: device.alloc(2))
+    order = []
+    for _ in keys:
+        assert tiered.evict(2) == 2
+        off = [name(n) for n in tiered.nodes()[1:] if "device" not in tiered.tiers(n)]
+        order += [n for n in off if n not in order]
+        tiered.check_invariants()
+    assert "".join("ABC"[int(s[0]) // 2] for s in plain_order) == device_order
+    left = set(keys) - {name(n) for n in tiered.nodes()[1:]}
+    assert "".join(order) == device_order and left == {left_the_host}
+    assert device.num_free == device.num_slots and tiered.host_size == 4
+
+
+def test_the_engine_gets_the_tiers_through_chapter_6s_kv_factory_registry(tokenizer):
+    code = "import sys, kvlearn.serving.engine; print(sorted(m for m in sys.modules if 'tiers' in m))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True,
+                            text=True, check=True).stdout
+    assert loaded.strip() == "[]"  # chapter 6 does not import chapter 8
+    engine = Engine(tiny_model(), tokenizer, num_slots=64, host_slots=32)
+    assert isinstance(engine.kv, TieredRadixKV) and engine.kv.tree.host.num_slots == 32
+    plain = Engine(tiny_model(), tokenizer, num_slots=64)
+    assert not isinstance(plain.kv, TieredRadixKV) and plain.kv.counters() == engine.kv.counters()
 
 
 # --- the real model ----------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ class TieredMachine(RuleBasedStateMachine):
                 device += node.value.tolist()
                 assert self.pool.kv[0, 0, node.value, 0, 0].tolist() == want, "device KV is wrong"
             if "host" in where:
-                slots = t._host[node.id]
+                slots = node.host_value
                 host += slots.tolist()
                 assert self.host.kv[0, 0, slots, 0, 0].tolist() == want, "host KV is wrong"
         assert len(set(device)) == len(device) and len(set(host)) == len(host), "a slot held twice"

@@ -21,7 +21,7 @@ from kvlearn.bench.decode import plot_throughput  # noqa: E402
 from kvlearn.tiers import TieredRadixCache  # noqa: E402
 from kvlearn.tiers.host import host_pool_for  # noqa: E402
 from kvlearn.viz import draw_blocks, draw_pool, draw_radix, draw_slot_reads  # noqa: E402
-from kvlearn.viz.palette import ALIASES, STATES, legend, state_color  # noqa: E402
+from kvlearn.viz.palette import ALIASES, STATES, state_color  # noqa: E402
 from kvlearn.viz.teaching import (draw_free_queue, draw_kv_reuse, draw_packed_mask, draw_timeline,  # noqa: E402
                                   plot_reuse_vs_block_size, plot_workloads)
 from kvlearn.viz.tiers import draw_tiers  # noqa: E402

@@ -48,13 +48,13 @@ def check_demotions(answer) -> bool:
     tree = exercise_tree()
     before = {n.id for n in tree.nodes() if "device" in tree.tiers(n)}
     order = []
-    original = tree._evict_device
+    original = tree.evict_node
 
     def spy(node):
         order.append(node.id)
         return original(node)
 
-    tree._evict_device = spy
+    tree.evict_node = spy
     tree.evict(5)
     assert before >= set(order)
     if not isinstance(answer, (list, tuple)) or list(answer) != order:  # a stub (...) is "Not yet" too

@@ -19,6 +19,7 @@ from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS, KVManager, SlotKV
 from kvlearn.serving.request import Request
 
 CACHE_MODES = ("radix", "blocks", "none")
+WRITE_POLICIES = ("write_back", "write_through")  # when chapter 8's tiers copy KV down (Engine(write_policy=...))
 DEFAULT_BLOCK_SIZE = 16  # "blocks" mode's tokens per block (vLLM's default) when no page size is given
 
 
@@ -62,8 +63,8 @@ class _RequestTree(RadixCache):
     (and tokens the sampler appended), so it does not check every id again on each call: on a
     thousand-token prompt that check costs more than the walk. Any other key is checked as usual."""
 
-    def _as_key(self, key) -> tuple:
-        return tuple(key) if type(key) is list else super()._as_key(key)
+    def as_key(self, key) -> tuple:
+        return tuple(key) if type(key) is list else super().as_key(key)
 
 
 class RadixKV(SlotKV):
@@ -121,16 +122,17 @@ class RadixKV(SlotKV):
 
     def after_forward(self, req: Request, prefilled: bool) -> None:
         if prefilled:  # publish the prompt at once, so requests admitted later share it
-            self._insert(req, len(req.token_ids), keep_locked=True)
+            self.cache_request(req, len(req.token_ids), keep_locked=True)
 
     def release(self, req: Request) -> None:
-        self._insert(req, req.num_computed, keep_locked=False)  # the tree takes the computed head...
+        self.cache_request(req, req.num_computed, keep_locked=False)  # the tree takes the computed head...
         self._free_private(req)                         # ...and the rest goes back to the pool
 
-    def _insert(self, req: Request, n: int, keep_locked: bool) -> None:
-        """Hand the request's first `n` tokens (their KV computed) to the tree; see the row diagram
-        in kv_manager. Each step leaves the handle true before the next call that may fail, so
-        running it again after a failure finishes the job."""
+    def cache_request(self, req: Request, n: int, keep_locked: bool) -> None:
+        """Mutation: hand the request's first `n` tokens (their KV computed) to the tree, keeping the
+        lock on their path if `keep_locked` (SGLang's `cache_unfinished_req`; else its
+        `cache_finished_req`); see the row diagram in kv_manager. Each step leaves the handle true
+        before the next call that may fail, so running it again after a failure finishes the job."""
         h = req.kv
         # The tree may already hold more than `n` (an after_forward that failed half way): never less.
         key, slots = req.token_ids[:max(n, h.prefix_len)], self.rows.req_to_token[h.row]

@@ -14,11 +14,10 @@ import os
 from dataclasses import dataclass, field, fields
 
 from kvlearn.errors import check_choice, check_positive_int
-from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size
+from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.scheduler import SCHEDULES
 
-WRITE_POLICIES = ("write_back", "write_through")  # chapter 8: when KV is copied to the tiers below
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
 # The parts a learner may hand the engine (kvlearn.parts), and the cache mode each one serves.
 PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES}

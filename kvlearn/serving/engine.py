@@ -26,9 +26,9 @@ from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
-from kvlearn.serving.request import Request, RequestStatus
+from kvlearn.serving.kv_factories import registered_kv
+from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
-from kvlearn.tiers import check_tier_options, make_tiered_kv, tier_counters
 
 def slots_without_sharing(prompts, max_new_tokens: int, page_size: int = 16) -> int:
     """A pool that holds every prompt and its output in whole pages without any sharing: nobody
@@ -77,8 +77,6 @@ class Engine:
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
-        if c.tiered:
-            check_tier_options(c.cache, c.host_slots, c.disk_dir, c.write_policy, c.disk_max_bytes)
         # The pool checks its sizes (num_slots a multiple of page_size) before anything is built.
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
                                      page_size=c.page_size, allocator_cls=c.parts.get("allocator"))
@@ -86,11 +84,9 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if c.fast else None)
-        if c.tiered:
-            self.kv = make_tiered_kv(self.pool, model, c.host_slots, c.disk_dir, c.write_policy, c.max_running,
-                                     c.disk_max_bytes)
-        else:
-            self.kv = make_kv_manager(c.cache, self.pool, c.max_running, parts=c.parts)
+        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
+        self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_running,
+                                                                        parts=c.parts)
         self.scheduler = Scheduler(self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids,
                                    chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
@@ -233,7 +229,7 @@ class Engine:
     def reset_stats(self) -> None:
         self.scheduler.reset_stats()
         self._wall_time = 0.0
-        self._tier_start = tier_counters(self.kv)
+        self._counters_start = self.kv.counters()
 
     @property
     def stats(self) -> dict:
@@ -241,7 +237,7 @@ class Engine:
         cached / (cached + computed) prefill tokens and the wall time spent in `step`, and the tier
         counters (offloaded_tokens, loaded_from_host_tokens, loaded_from_disk_tokens; 0 without tiers)."""
         stats = with_rates(self.scheduler.stats, self._wall_time)
-        stats.update({k: v - self._tier_start[k] for k, v in tier_counters(self.kv).items()})
+        stats.update({k: v - self._counters_start[k] for k, v in self.kv.counters().items()})
         return stats
 
     def close(self) -> None:

@@ -38,6 +38,8 @@ from kvlearn.pool import KVPool, ReqToTokenPool
 from kvlearn.serving.request import Request
 
 DEFAULT_MAX_REQUESTS = 256  # rows of the ReqToTokenPool: requests that can run at once
+# What `KVManager.counters` reports: KV moved below the pool and back (chapter 8's tiers; 0 elsewhere).
+TIER_STATS = ("offloaded_tokens", "loaded_from_host_tokens", "loaded_from_disk_tokens")
 
 
 @dataclass
@@ -105,6 +107,11 @@ class KVManager(ABC):
     @abstractmethod
     def slots_in_use(self, running: list[Request]) -> int:
         """Query: slots held by running requests, shared ones counted once."""
+
+    def counters(self) -> dict[str, int]:
+        """Query: cumulative counts of this manager's own, by name, that the engine adds to its stats:
+        at least TIER_STATS (KV moved below the pool and back: none in chapter 6's modes, zeros)."""
+        return dict.fromkeys(TIER_STATS, 0)
 
     def check(self, running: list[Request]) -> None:
         """Query: assert slot conservation (free + evictable + in use == pool size)."""

@@ -59,7 +59,7 @@ import torch
 import xxhash
 
 from kvlearn.blocks import hash_block_tokens
-from kvlearn.errors import check_int, check_positive_int
+from kvlearn.errors import check_int, check_positive_int, fault_point
 
 MAGIC = b"KVLEARN-KV1\n"
 _HEADER_LEN = struct.Struct("<I")
@@ -240,6 +240,7 @@ class DiskStore:
     def _make_room(self, size: int, keep: int) -> None:
         """Delete least recently used entries until one of `size` bytes fits (the file under `keep`
         is about to be replaced: it does not count)."""
+        fault_point("disk.make_room")
         entries = sorted(e for e in self._entries() if e[3] != self.path(keep))
         used = sum(e[2] for e in entries)
         for _, _, nbytes, path in entries:

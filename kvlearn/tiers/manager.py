@@ -7,20 +7,20 @@ before the forward that reads them, so they count as cached, not computed.
 
 Invariant (`check`, after every step): chapter 6's slot conservation on the device, and on the host
 free slots + slots held by tree nodes == host pool size.
+
+The engine never imports this chapter: `make_tiered_kv` is its way in, a factory that
+`kvlearn/__init__` registers with chapter 6's `register_kv_factory`.
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvlearn.errors import check_choice, check_positive_int
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import RadixKV
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
-from kvlearn.tiers.disk import MISS_REASONS, DiskStore, check_folder, model_identity
+from kvlearn.tiers.disk import MISS_REASONS, DiskStore, model_identity
 from kvlearn.tiers.host import host_pool_for
-from kvlearn.tiers.tree import TIER_STATS, WRITE_POLICIES, TieredRadixCache
+from kvlearn.tiers.tree import TieredRadixCache
 
 DISK_PAGE_TOKENS = 16  # tokens per disk file (rounded up to whole device pages)
 
@@ -35,8 +35,7 @@ class TieredRadixKV(RadixKV):
         super().__init__(pool, max_requests)
         self.tree = TieredRadixCache(pool, host, disk, write_policy)
 
-    @property
-    def tier_stats(self) -> dict:
+    def counters(self) -> dict:
         """Cumulative: tokens offloaded and loaded back per tier; with a disk, its pages written and
         evicted, entries refused (damaged, foreign, not a regular file) and OS errors (`disk_errors`,
         and `disk_errors_<kind>` by errno: the disk dropped pages or missed, the engine went on)."""
@@ -58,31 +57,32 @@ class TieredRadixKV(RadixKV):
     def cached_len(self, token_ids: list[int]) -> int:
         return self.tree.reachable_len(token_ids[:-1])
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
-        # `prefix` is the match's device part; its slots for the rest come fresh from the pool.
-        # Load what lies below the device into them before any forward reads the row.
-        if super()._admit_after(req, prefix, last_node) is None:
+    def admit(self, req: Request) -> int | None:
+        # Chapter 6's radix admission gives the row the match's device part, then fresh slots for
+        # the rest, and locks the match. Load what lies below the device into them before any
+        # forward reads the row.
+        if super().admit(req) is None:
             return None
         h = req.kv
         row = self.rows.req_to_token[h.row, :h.num_slots]
         try:
-            h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], last_node, row)
+            h.prefix_len, h.last_node = self.tree.load_back(req.token_ids[:-1], h.last_node, row)
         except BaseException:
-            # Undo the admission; `admit` then unlocks `last_node`, which still holds the lock. The
-            # tree keeps the slots it adopted (nodes brought back before the failure); the
-            # request's other slots and its row go back.
+            # Undo the admission. The tree keeps the slots it adopted (nodes brought back before the
+            # failure) and `last_node` still holds the lock: `release` (nothing computed yet) hands
+            # back the lock, the request's other slots and its row.
             h.prefix_len = self.tree.device_head(req.token_ids[:-1], row)
-            self._free_private(req)
+            self.release(req)
             raise
         return h.prefix_len
 
-    def _insert(self, req: Request, n: int, keep_locked: bool) -> None:
+    def cache_request(self, req: Request, n: int, keep_locked: bool) -> None:
         try:
-            super()._insert(req, n, keep_locked)
+            super().cache_request(req, n, keep_locked)
         except BaseException:
             # write_through copies after the insert itself: if a copy failed, the tree already owns
             # the request's slots it took. They are no longer the request's to free; running
-            # `_insert` again (release does) finishes the job.
+            # `cache_request` again (release does) finishes the job.
             h = req.kv
             if h is not None:
                 row = self.rows.req_to_token[h.row, :h.num_slots]
@@ -97,36 +97,18 @@ class TieredRadixKV(RadixKV):
                 f"host slot leak: {host.num_free} free + {self.tree.host_size} held != {host.num_slots}")
 
 
-def check_tier_options(cache: str, host_slots, disk_dir, write_policy: str, disk_max_bytes=None) -> None:
-    """Refuse tier options the engine cannot honour, before anything is built (the disk capacity's
-    lower bound, one entry, is checked when the store is built: it depends on the model)."""
-    check_choice("write_policy", write_policy, WRITE_POLICIES)
-    if host_slots is not None:
-        check_positive_int("host_slots", host_slots, " (tokens of KV the host tier holds)")
-    if disk_max_bytes is not None:
-        check_positive_int("disk_max_bytes", disk_max_bytes, " (bytes the disk tier may use)")
-        if disk_dir is None:
-            raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
-    if (host_slots is not None or disk_dir is not None) and cache != "radix":
-        raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
-                         f"tree), got cache={cache!r}.")
-    if disk_dir is not None:
-        check_folder(disk_dir)
-
-
-def make_tiered_kv(pool: KVPool, model, host_slots: int | None, disk_dir, write_policy: str,
-                   max_requests: int = DEFAULT_MAX_REQUESTS, disk_max_bytes: int | None = None) -> TieredRadixKV:
-    """The tiered radix mode for an engine's pool and model (options checked by check_tier_options);
-    disk_max_bytes: the disk tier's capacity (least recently used pages go first), None: no limit."""
-    host = None if host_slots is None else host_pool_for(pool, host_slots)
+def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
+    """The tiered radix mode for an engine whose options ask for a host pool (`host_slots`) or a disk
+    folder (`disk_dir`), else None; chapter 6 checked the plain options (`write_policy`, radix only,
+    sizes). options: the engine's (cache, host_slots, disk_dir, write_policy, disk_max_bytes,
+    max_running). disk_max_bytes: the disk tier's capacity (least recently used pages go first),
+    None: no limit."""
+    if options.host_slots is None and options.disk_dir is None:
+        return None
     disk = None
-    if disk_dir is not None:
+    if options.disk_dir is not None:  # first: it checks the folder before the host pool takes memory
         page = -(-DISK_PAGE_TOKENS // pool.page_size) * pool.page_size
-        disk = DiskStore(disk_dir, model_identity(model), pool.dtype,
-                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=disk_max_bytes)
-    return TieredRadixKV(pool, max_requests, host, disk, write_policy)
-
-
-def tier_counters(kv) -> dict:
-    """The engine's tier stats of a KV manager: cumulative counts, zeros without tiers."""
-    return kv.tier_stats if isinstance(kv, TieredRadixKV) else dict.fromkeys(TIER_STATS, 0)
+        disk = DiskStore(options.disk_dir, model_identity(model), pool.dtype,
+                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=options.disk_max_bytes)
+    host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
+    return TieredRadixKV(pool, options.max_running, host, disk, options.write_policy)

@@ -12,7 +12,7 @@ from kvlearn.serving.engine import with_rates
 from kvlearn.serving.request import Request
 from kvlearn.serving.simulate import SimEngine
 from kvlearn.tiers.host import host_pool_for
-from kvlearn.tiers.manager import TieredRadixKV, tier_counters
+from kvlearn.tiers.manager import TieredRadixKV
 
 
 def simulate_tiers(rounds, num_slots: int, host_slots: int | None = None, write_policy: str = "write_back",
@@ -30,4 +30,4 @@ def simulate_tiers(rounds, num_slots: int, host_slots: int | None = None, write_
         if prompts:
             sim.filler = prompts[-1][-1]   # a token of the round's last prompt: never an end of sequence
             sim.run()
-    return with_rates(sim.stats, 0.0) | tier_counters(kv)
+    return with_rates(sim.stats, 0.0) | kv.counters()

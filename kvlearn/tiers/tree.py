@@ -16,14 +16,18 @@ Invariants (`check_invariants`, on top of chapter 3's):
 - a node is in the tree only while its KV is on the device or the host (or both);
 - a node on the device has every ancestor on the device: along a path the device part comes first,
   so a match is a device prefix followed by off-device nodes;
-- `value` holds the node's device slots, or its host slots while it is off the device;
+- where a node's KV lives is in chapter 3's per-node fields: `on_device`, `host_value` (its host
+  copy, or None), `on_disk`; `value` holds its device slots, or `host_value` while it is off the
+  device;
 - `evictable_size`, `protected_size` and `total_size` count device tokens, as the pool sees them;
-  chapter 3's counters (`_evictable`, `_protected`) count every node, off-device ones included;
+  chapter 3's counts (its `evictable_size`, `protected_size`) cover every node, off-device ones too;
 - host conservation: host free slots + host slots held by nodes == host pool size;
-- the device evicts unlocked nodes none of whose children is on the device, least recently used
-  first: each moves to the host (copied there first if it has no copy), or, if the host cannot take
-  it, leaves the tree with everything below it (written to disk first, if there is a disk);
-- the host evicts, least recently used first, copies of device nodes (the node stays on the
+- the device evicts unlocked nodes none of whose children is on the device (chapter 3's `evict`
+  with this tree's `can_evict` and `evict_node`), smallest key of chapter 3's eviction policy first
+  (least recently used by default; "lfu" or a key function carry over): each moves to the host
+  (copied there first if it has no copy), or, if the host cannot take it, leaves the tree with
+  everything below it (written to disk first, if there is a disk);
+- the host evicts, by the same policy's key, copies of device nodes (the node stays on the
   device) and unlocked off-device leaves (they leave the tree, written to disk first);
 - the disk, if it has a capacity, deletes its least recently used pages to make room for a new
   one (`kvlearn.tiers.disk`); a node leaving memory writes again the pages the disk has dropped
@@ -35,33 +39,34 @@ Invariants (`check_invariants`, on top of chapter 3's):
 Faults: each method that moves KV between tiers makes its fallible call (a pool's free, a host
 allocation, a disk write) before it changes the tree, so an exception there leaves every tier whole
 and a later eviction can try again; `load_back` keeps the lock where it was if it fails (see it).
+Each such step starts at a declared fault point (`kvlearn.errors.fault_point`, "tiers.<step>").
 """
 
 from __future__ import annotations
 
-import heapq
+from typing import Callable
 
 import torch
 
-from kvlearn.errors import check_choice, check_int
+from kvlearn.errors import check_choice, fault_point
 from kvlearn.pool import KVPool
 from kvlearn.radix import MatchResult, RadixCache, TreeNode
+from kvlearn.serving.cache_modes import WRITE_POLICIES
+from kvlearn.serving.kv_manager import TIER_STATS
 from kvlearn.tiers.disk import DiskStore
 from kvlearn.tiers.host import copy_kv
-
-WRITE_POLICIES = ("write_back", "write_through")
-TIER_STATS = ("offloaded_tokens", "loaded_from_host_tokens", "loaded_from_disk_tokens")
 
 
 class TieredRadixCache(RadixCache):
     """A RadixCache over a device pool with an optional host pool and disk store below it.
 
-    `stats`: offloaded_tokens (tokens copied down to the host or written to disk, each copy
-    counted), loaded_from_host_tokens, loaded_from_disk_tokens (tokens brought back to the device).
+    eviction_policy: chapter 3's ("lru", "lfu" or a function node -> key), for the device and the
+    host alike. `stats`: offloaded_tokens (tokens copied down to the host or written to disk, each
+    copy counted), loaded_from_host_tokens, loaded_from_disk_tokens (tokens brought back to the device).
     """
 
     def __init__(self, pool: KVPool, host: KVPool | None = None, disk: DiskStore | None = None,
-                 write_policy: str = "write_back"):
+                 write_policy: str = "write_back", eviction_policy: str | Callable[[TreeNode], object] = "lru"):
         check_choice("write_policy", write_policy, WRITE_POLICIES)
         if host is not None and host.page_size != pool.page_size:
             raise ValueError(f"the host pool's page_size ({host.page_size}) must be the device pool's "
@@ -71,14 +76,13 @@ class TieredRadixCache(RadixCache):
                              f"{pool.page_size}: give the DiskStore a multiple of {pool.page_size}.")
         self.pool, self.host, self.disk, self.write_policy = pool, host, disk, write_policy
         self.stats = dict.fromkeys(TIER_STATS, 0)
-        super().__init__(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
+        super().__init__(page_size=pool.page_size, evict_callback=pool.free, device=pool.device,
+                         eviction_policy=eviction_policy)
 
     def reset(self) -> None:
         """Drop every node, as chapter 3's reset (the caller resets its pools too)."""
         super().reset()
-        self._host: dict[int, torch.Tensor] = {}  # node id -> host slots of its copy
-        self._off_device: set[int] = set()        # node ids whose KV is not on the device
-        self._on_disk: set[int] = set()           # node ids whose full disk pages ending inside are on disk
+        self._backed: dict[int, TreeNode] = {}     # id -> node with a host copy (`host_value`)
         self._off_unlocked = self._off_locked = 0  # off-device tokens, by lock state
         self._host_tokens = 0
 
@@ -86,20 +90,19 @@ class TieredRadixCache(RadixCache):
     def tiers(self, node: TreeNode) -> tuple[str, ...]:
         """Where this node's KV is: some of "device", "host", "disk" (disk: its pages were written
         or read, and every full page that ends inside it is still there, not evicted since)."""
-        on_disk = node.id in self._on_disk and all(map(self.disk.contains, self._disk_keys(node)[0]))
-        return tuple(name for name, here in (("device", node.id not in self._off_device),
-                                             ("host", node.id in self._host), ("disk", on_disk))
-                     if here)
+        on_disk = node.on_disk and all(map(self.disk.contains, self._disk_keys(node)[0]))
+        return tuple(name for name, here in (("device", node.on_device), ("host", node.host_value is not None),
+                                             ("disk", on_disk)) if here)
 
     @property
     def evictable_size(self) -> int:
         """Device tokens in unlocked nodes: what `evict` could free in the pool right now."""
-        return self._evictable - self._off_unlocked
+        return super().evictable_size - self._off_unlocked
 
     @property
     def protected_size(self) -> int:
         """Device tokens in locked nodes."""
-        return self._protected - self._off_locked
+        return super().protected_size - self._off_locked
 
     @property
     def total_size(self) -> int:
@@ -126,9 +129,9 @@ class TieredRadixCache(RadixCache):
         """Chapter 3's match over every tier: `last_node` ends the whole match; `indices` (and
         `len`) are the device part, the head of the path. `load_back` brings the rest."""
         match = super().match_prefix(key)
-        off = sum(len(n.key) for n in self._path(match.last_node) if n.id in self._off_device)
-        if off:  # the walk touched the device node above the off-device tail: renew its heap entry
-            self._touch_leaf(self._above_off_device(match.last_node))
+        off = sum(len(n.key) for n in self._path(match.last_node) if not n.on_device)
+        if off:  # the walk touched the device node above the off-device tail: renew its entry
+            self.requeue(self._above_off_device(match.last_node))
         return MatchResult(match.indices[:len(match) - off], match.last_node)
 
     def reachable_len(self, key) -> int:
@@ -137,7 +140,7 @@ class TieredRadixCache(RadixCache):
         start = self.match_len(key)
         if self.disk is None:
             return start
-        p, hashes = self.disk.page_tokens, self.disk.page_hashes(self._aligned(self._as_key(key)))
+        p, hashes = self.disk.page_tokens, self.disk.page_hashes(self.as_key(key))
         end = start
         for i in range(start // p, len(hashes)):
             if not self.disk.contains(hashes[i]):
@@ -158,7 +161,7 @@ class TieredRadixCache(RadixCache):
         offset = 0
         for x in self._path(node):
             n = len(x.key)
-            if x.id in self._off_device:
+            if not x.on_device:
                 dst = slots[offset:offset + n]
                 copy_kv(self.host, x.value, self.pool, dst)
                 self._to_device(x, dst.clone())
@@ -167,11 +170,9 @@ class TieredRadixCache(RadixCache):
         end = self._load_disk(list(key), offset, slots)
         if end == offset:
             return offset, node
-        # Chapter 3's plain insert: the path is on the device now, nothing to adopt; write_through's
-        # host copy of the new node waits for the insert after the forward, which copies the path.
-        _, match = RadixCache.insert_prefix(self, list(key[:end]), slots[:end])
+        _, match = self.insert_prefix(list(key[:end]), slots[:end])  # the path is on the device now
         loaded = match.last_node
-        self._on_disk.add(loaded.id)
+        loaded.on_disk = True
         self.lock(loaded)
         try:
             self.unlock(node)
@@ -183,20 +184,18 @@ class TieredRadixCache(RadixCache):
     def device_head(self, key, slots: torch.Tensor) -> int:
         """How many leading tokens of `key` the tree holds on the device in exactly `slots` (a pure
         query: after a failed `load_back`, the part of `slots` the tree has adopted)."""
-        key = self._aligned(self._as_key(key))
+        key = self.as_key(key)
         node, i = self.root, 0
-        while i < len(key):
-            child = node.children.get(self._child_key(key[i:]))
-            if child is None or child.id in self._off_device:
-                break
-            n = len(child.key)
-            if key[i:i + n] != child.key or not torch.equal(child.value, slots[i:i + n].to(child.value.device)):
-                break
-            node, i = child, i + n
-        return i
+        while True:  # children start with different pages: at most one holds the next tokens
+            child = next((c for c in node.children.values() if key[i:i + len(c.key)] == c.key), None)
+            if child is None or not child.on_device or not torch.equal(
+                    child.value, slots[i:i + len(child.key)].to(child.value.device)):
+                return i
+            node, i = child, i + len(child.key)
 
     def _load_disk(self, key: list, start: int, slots: torch.Tensor) -> int:
         """Read the valid disk pages that continue key[:start] into `slots`; return the new end."""
+        fault_point("tiers.load_disk")
         if self.disk is None:
             return start
         p, hashes, end = self.disk.page_tokens, self.disk.page_hashes(key), start
@@ -215,31 +214,31 @@ class TieredRadixCache(RadixCache):
         tokens after the same prefix: the same KV, already computed) rather than count as present.
         Returns (leading tokens whose slots in `value` are duplicates, the match of the whole key);
         with write_through, every node of the path is then copied down."""
-        present, match = super().insert_prefix(key, value)
+        present, match = super().insert_prefix(key, value)  # it checked `value`
         path = self._path(match.last_node)
-        off = [x for x in path if x.id in self._off_device]
+        off = [x for x in path if not x.on_device]
         if off:
-            slots = self._as_value(value, len(self._as_key(key)))
+            slots = value.to(self.device, torch.int64)
             offset = 0
             for x in path:
                 if x is off[0]:
                     present = offset
-                if x.id in self._off_device:
+                if not x.on_device:
                     self._to_device(x, slots[offset:offset + len(x.key)].clone())
                 offset += len(x.key)
             match = MatchResult(torch.cat([x.value for x in path]), match.last_node)
-            self._touch_leaf(match.last_node)  # on the device now: it may have become a candidate
+            self.requeue(match.last_node)  # on the device now: it may have become a candidate
         if self.write_policy == "write_through":
             for x in path:
-                if x.id not in self._host:
+                if x.host_value is None:
                     self._backup(x)
                 self._persist(x)
         return present, match
 
     def _to_device(self, node: TreeNode, slots: torch.Tensor) -> None:
         """An off-device node now has its KV in these device slots (its host copy stays)."""
-        self._off_device.discard(node.id)
-        node.value = slots
+        fault_point("tiers.to_device")
+        node.on_device, node.value = True, slots
         if node.lock_ref:
             self._off_locked -= len(node.key)
         else:
@@ -249,7 +248,7 @@ class TieredRadixCache(RadixCache):
     def unlocked_on_path(self, node: TreeNode) -> int:
         """Device tokens that `lock(node)` would move from evictable to protected (a pure query)."""
         off, x = 0, node
-        while x is not self.root and x.id in self._off_device and not x.lock_ref:  # the off-device tail
+        while x is not self.root and not x.on_device and not x.lock_ref:  # the off-device tail
             off += len(x.key)
             x = x.parent
         return super().unlocked_on_path(node) - off
@@ -261,13 +260,13 @@ class TieredRadixCache(RadixCache):
     def unlock(self, node: TreeNode) -> None:
         super().unlock(node)
         # The device node above an off-device tail may have become an eviction candidate.
-        self._touch_leaf(self._count_lock_change(node, now=0))
+        self.requeue(self._count_lock_change(node, now=0))
 
     def _count_lock_change(self, node: TreeNode, now: int) -> TreeNode:
         """After a lock (now=1) or unlock (now=0) of `node`: off-device nodes on its path whose
         lock_ref became `now` changed lock state. They are the tail of the path; returns the
         device node above them."""
-        while node is not self.root and node.id in self._off_device:
+        while node is not self.root and not node.on_device:
             if node.lock_ref == now:
                 n = len(node.key) if now else -len(node.key)
                 self._off_locked += n
@@ -275,59 +274,27 @@ class TieredRadixCache(RadixCache):
             node = node.parent
         return node
 
-    def _split(self, child: TreeNode, k: int) -> TreeNode:
-        upper = super()._split(child, k)
-        if child.id in self._host:
-            host = self._host[child.id]
-            self._host[upper.id], self._host[child.id] = host[:k], host[k:]
-        for ids in (self._off_device, self._on_disk):
-            if child.id in ids:
-                ids.add(upper.id)
-        return upper
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Chapter 3's hook: the upper part of a cut edge lives where the edge lived."""
+        upper.on_device, upper.on_disk = lower.on_device, lower.on_disk
+        if lower.host_value is not None:
+            k = len(upper.key)
+            upper.host_value, lower.host_value = lower.host_value[:k], lower.host_value[k:]
+            self._backed[upper.id] = upper
 
     # --- device eviction: demote ---------------------------------------------------------------
-    def _is_candidate(self, node: TreeNode) -> bool:
-        """Kept in the eviction heap: unlocked non-root nodes that are leaves (chapter 3's rule, for
-        its checks) or device nodes with no child on the device (what the device evicts)."""
-        if node.lock_ref or node is self.root:
-            return False
-        return not node.children or (node.id not in self._off_device
-                                     and all(c.id in self._off_device for c in node.children.values()))
+    def can_evict(self, node: TreeNode) -> bool:
+        """Chapter 3's hook: the device evicts unlocked device nodes with no child on the device."""
+        return (node.on_device and not node.lock_ref and node is not self.root
+                and not any(c.on_device for c in node.children.values()))
 
-    def _touch_leaf(self, node: TreeNode) -> None:
-        if not self._is_candidate(node):
-            return
-        heapq.heappush(self._heap, (node.last_access, node.id))
-        if len(self._heap) > 2 * len(self._nodes) + 64:  # too many stale entries: rebuild
-            self._heap = [(n.last_access, n.id) for n in self._nodes.values() if self._is_candidate(n)]
-            heapq.heapify(self._heap)
-
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device slots (fewer if not that many are evictable), least
-        recently used node first; return how many were freed. Nodes move down rather than leave."""
-        check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
-        freed, kept = 0, []  # kept: popped entries that stay candidates (off-device leaves, a failure)
-        try:
-            while freed < num_tokens and self._heap:
-                entry = heapq.heappop(self._heap)
-                node = self._nodes.get(entry[1])
-                if node is None or node.last_access != entry[0] or not self._is_candidate(node):
-                    continue
-                if node.id in self._off_device:  # an off-device leaf: the host's to evict, keep its entry
-                    kept.append(entry)
-                    continue
-                kept.append(entry)  # until it is off the device: a failure half way leaves it a candidate
-                freed += self._evict_device(node)
-                kept.pop()
-        finally:
-            for entry in kept:
-                heapq.heappush(self._heap, entry)
-        return freed
-
-    def _evict_device(self, node: TreeNode) -> int:
-        """Take an unlocked node with no child on the device off the device; return slots freed."""
+    def evict_node(self, node: TreeNode) -> int:
+        """Chapter 3's hook: take a candidate off the device, to the host (copied there first if it
+        has no copy) or, if the host cannot take it, out of the tree with its off-device subtree.
+        Returns the device slots freed."""
+        fault_point("tiers.evict_device")
         n = len(node.key)
-        if node.id in self._host or self._backup(node):
+        if node.host_value is not None or self._backup(node):
             self._demote(node)
         else:  # no room in memory below the device: it leaves, with its off-device subtree
             self._remove(node)
@@ -336,16 +303,15 @@ class TieredRadixCache(RadixCache):
     def _demote(self, node: TreeNode) -> None:
         """Free an unlocked device node's slots; its host copy becomes its KV (off the device)."""
         self.pool.free(node.value)  # the one call that may fail: then nothing has changed
-        node.value = self._host[node.id]
-        self._off_device.add(node.id)
+        node.on_device, node.value = False, node.host_value
         self._off_unlocked += len(node.key)
-        self._touch_leaf(node)
-        self._touch_leaf(node.parent)
+        self.requeue(node.parent)
 
     # --- host eviction ---------------------------------------------------------------------------
     def _backup(self, node: TreeNode) -> bool:
         """Copy a device node's KV to the host, evicting host copies to make room; False when there
         is no host tier or it cannot make room."""
+        fault_point("tiers.backup")
         n = len(node.key)
         if self.host is None or n > self.host.num_slots:
             return False
@@ -355,57 +321,54 @@ class TieredRadixCache(RadixCache):
             return False
         slots = self.host.alloc(n)
         copy_kv(self.pool, node.value, self.host, slots)
-        self._host[node.id] = slots
+        node.host_value = slots
+        self._backed[node.id] = node
         self._host_tokens += n
         self.stats["offloaded_tokens"] += n
         return True
 
     def _evict_host(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` host slots, least recently used first: drop host copies of
+        """Free at least `num_tokens` host slots, smallest eviction key first: drop host copies of
         device nodes, take unlocked off-device leaves out of the tree. Returns slots freed."""
+        fault_point("tiers.evict_host")
         freed = 0
         while freed < num_tokens:
-            candidates = [x for x in map(self._nodes.__getitem__, self._host)
-                          if x.id not in self._off_device or not (x.children or x.lock_ref)]
+            candidates = [x for x in self._backed.values() if x.on_device or not (x.children or x.lock_ref)]
             if not candidates:
                 break
-            victim = min(candidates, key=lambda x: (x.last_access, x.id))
-            if victim.id in self._off_device:
-                self._remove(victim)
-            else:
-                self.host.free(self._host[victim.id])  # freed first: if it fails, the copy is still held
-                del self._host[victim.id]
+            victim = min(candidates, key=lambda x: (self.eviction_key(x), x.id))
+            if victim.on_device:
+                self.host.free(victim.host_value)  # freed first: if it fails, the copy is still held
+                victim.host_value = None
+                del self._backed[victim.id]
                 self._host_tokens -= len(victim.key)
+            else:
+                self._remove(victim)
             freed += len(victim.key)
         return freed
 
     def _remove(self, node: TreeNode) -> None:
         """Take an unlocked node and everything below it out of the tree, children first, writing
         their pages to disk (if there is one) and giving back their slots in every tier."""
+        fault_point("tiers.remove")
         for child in list(node.children.values()):
             self._remove(child)
         self._persist(node, leaving=True)
         # Slots go back before the node leaves, one tier at a time, so a failing free leaves a
         # whole node (on the host only, after the device's free) that a later eviction takes again.
-        if node.id not in self._off_device:
-            if node.id in self._host:
+        if node.on_device:
+            if node.host_value is not None:
                 self._demote(node)
             else:
                 self.pool.free(node.value)
-        if node.id in self._host:
-            self.host.free(self._host[node.id])
-        n, parent = len(node.key), node.parent
-        del parent.children[self._child_key(node.key)]
-        del self._nodes[node.id]
-        node.parent = None
-        self._evictable -= n
-        if node.id in self._off_device:
-            self._off_device.discard(node.id)
+        if node.host_value is not None:
+            self.host.free(node.host_value)
+        self.remove_leaf(node)
+        n = len(node.key)
+        if not node.on_device:
             self._off_unlocked -= n
-        if self._host.pop(node.id, None) is not None:
+        if self._backed.pop(node.id, None) is not None:
             self._host_tokens -= n
-        self._on_disk.discard(node.id)
-        self._touch_leaf(parent)
 
     # --- disk ----------------------------------------------------------------------------------
     def _persist(self, node: TreeNode, leaving: bool = False) -> None:
@@ -414,7 +377,8 @@ class TieredRadixCache(RadixCache):
         is skipped, unless it is `leaving` memory: then pages already on disk are stamped as just
         used (the disk's LRU counts this write-back as a use), and pages the disk has evicted since
         (or found bad, by a read or by their header) are written again."""
-        if self.disk is None or (node.id in self._on_disk and not leaving):
+        fault_point("tiers.persist")
+        if self.disk is None or (node.on_disk and not leaving):
             return
         keys, path, tokens = self._disk_keys(node)
         p = self.disk.page_tokens
@@ -430,7 +394,7 @@ class TieredRadixCache(RadixCache):
             elif leaving:
                 self.disk.touch(key)
         if written:  # else the next persist of this node tries again
-            self._on_disk.add(node.id)
+            node.on_disk = True
 
     def flush(self) -> int:
         """Write to disk every full page of the tree not there yet, from whichever tier holds it (a
@@ -457,14 +421,14 @@ class TieredRadixCache(RadixCache):
         for x in path:
             lo, hi = max(start, offset), min(end, offset + len(x.key))
             if lo < hi:
-                pool = self.host if x.id in self._off_device else self.pool
+                pool = self.pool if x.on_device else self.host
                 parts.append(pool.kv.index_select(2, x.value[lo - offset:hi - offset].to(pool.device)).cpu())
             offset += len(x.key)
         return torch.cat(parts, dim=2)
 
     def _above_off_device(self, node: TreeNode) -> TreeNode:
         """The device node (maybe the root) above the off-device tail of `node`'s path."""
-        while node is not self.root and node.id in self._off_device:
+        while node is not self.root and not node.on_device:
             node = node.parent
         return node
 
@@ -478,25 +442,25 @@ class TieredRadixCache(RadixCache):
 
     # --- checks ----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        super().check_invariants()
+        super().check_invariants()  # chapter 3's, with this tree's eviction candidates
         off = {False: 0, True: 0}
-        host_tokens = 0
+        host_tokens = backed = 0
         for node in self.nodes()[1:]:
-            n, on_device = len(node.key), node.id not in self._off_device
-            assert on_device or node.id in self._host, f"node #{node.id} holds KV in no tier"
-            if on_device:
-                assert node.parent is self.root or node.parent.id not in self._off_device, (
+            n = len(node.key)
+            assert node.on_device or node.host_value is not None, f"node #{node.id} holds KV in no tier"
+            if node.on_device:
+                assert node.parent is self.root or node.parent.on_device, (
                     f"node #{node.id} is on the device but its parent is not")
             else:
                 off[bool(node.lock_ref)] += n
-                assert torch.equal(node.value, self._host[node.id]), f"off-device node #{node.id}: value"
-            if node.id in self._host:
-                assert self._host[node.id].shape[0] == n, f"node #{node.id}: host copy length"
+                assert torch.equal(node.value, node.host_value), f"off-device node #{node.id}: value"
+            if node.host_value is not None:
+                assert self._backed.get(node.id) is node, f"node #{node.id}: host copy not registered"
+                assert node.host_value.shape[0] == n, f"node #{node.id}: host copy length"
                 host_tokens += n
-        assert set(self._host) | self._off_device | self._on_disk <= set(self._nodes), "tier entry of a gone node"
+                backed += 1
+        assert backed == len(self._backed), "a host copy of a node that left the tree"
         assert (off[False], off[True]) == (self._off_unlocked, self._off_locked), "off-device sizes drifted"
         assert host_tokens == self._host_tokens, "host size drifted"
         if self.host is not None:
             assert self.host.num_free + host_tokens == self.host.num_slots, "host slot leak"
-        live = {(n.last_access, n.id) for n in self._nodes.values() if self._is_candidate(n)}
-        assert live <= set(self._heap), "an eviction candidate is missing from the heap"
