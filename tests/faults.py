@@ -12,6 +12,10 @@ slot free, every row free and nothing locked. No site is a private name.
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
+
 import torch
 
 from kvlearn.errors import set_fault_hook
@@ -33,6 +37,13 @@ TIER_SITES = {
     "kv.tree.disk": ("get", "holds", "put", "touch"),
 }
 FAULT = "fault"  # the path of a site that is a fault point
+
+# Chapter 8's disk under OS errors: a different kind of fault. The disk tier is a cache, so an OS
+# error there must not fail `generate` at all: the page is dropped or the read misses (issue 25).
+# Each disk operation, with the OS call behind it, fails with each errno a real folder can give.
+DISK_OPERATIONS = {"write": (tempfile, "mkstemp"), "replace": (os, "replace"), "stamp": (os, "utime"),
+                   "read": (os, "open"), "list": (os, "scandir"), "delete": (os, "unlink")}
+DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EIO)
 
 
 class InjectedFault(Exception):
@@ -107,6 +118,25 @@ def inject(engine, path: str, name: str, k: int, fault=InjectedFault) -> None:
             raise fault(f"injected at call {k} of {path}.{name}")
         return real(*args, **kwargs)
     setattr(obj, name, faulty)
+
+
+def disk_fault(monkeypatch, folder, operation: str, error: int, k: int = 1, lasting: bool = False) -> list[int]:
+    """Make the k-th call of a disk `operation` on a path inside `folder` raise OSError(`error`), as
+    the OS would (with `lasting`, every call from the k-th on: a folder that stays broken). Returns
+    a one-item list counting the calls that failed."""
+    module, name = DISK_OPERATIONS[operation]
+    real, folder, calls, failed = getattr(module, name), os.fspath(folder), [0], [0]
+
+    def faulty(*args, **kwargs):
+        path = kwargs.get("dir") if operation == "write" else (args[0] if args else None)
+        if path is not None and not isinstance(path, int) and os.fspath(path).startswith(folder):
+            calls[0] += 1
+            if calls[0] == k or (lasting and calls[0] > k):
+                failed[0] += 1
+                raise OSError(error, os.strerror(error), os.fspath(path))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, faulty)
+    return failed
 
 
 def restore(engine) -> None:

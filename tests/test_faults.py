@@ -1,6 +1,7 @@
 """Every fault leaves the engine whole (issue 16): exceptions at every bookkeeping call site, bad
 string prompts, a second thread, and the smaller input checks."""
 
+import errno
 import os
 import threading
 
@@ -10,7 +11,8 @@ import torch
 from kvlearn import Engine, KVPool, RadixCache, Sequence
 from kvlearn.errors import set_fault_hook
 from kvlearn.serving.cache_modes import CACHE_MODES
-from tests.faults import FAULT, InjectedFault, count_calls, inject, restore, tiny_model, whole
+from tests.faults import (DISK_ERRNOS, DISK_OPERATIONS, FAULT, InjectedFault, count_calls, disk_fault, inject, restore,
+                          tiny_model, whole)
 
 # Four prompts that share prefixes, in a pool too small for all of them: admission evicts, decoding
 # preempts, so every bookkeeping path runs.
@@ -211,4 +213,52 @@ def test_a_fault_while_kv_moves_between_tiers_leaves_the_engine_whole(tiny, toke
                 problems = [f"unusable afterwards: {type(e).__name__}: {e}"]
             if problems:
                 broken.append(f"{path}.{name} call {k}/{n}: {'; '.join(problems)}")
+    assert tried >= 40 and broken == [], broken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", TIER_POLICIES)
+def test_an_os_error_on_the_disk_is_a_miss_never_a_broken_engine(tiny, tokenizer, tmp_path, monkeypatch, policy):
+    """The disk tier's OS errors as fault kinds: every disk operation (write, replace, stamp, read,
+    list, delete) failing once or for good with each errno (EROFS, ENOSPC, EISDIR, ENOTDIR, EACCES,
+    EIO). `generate` never raises, the tokens are a fresh engine's, the errors are counted by kind,
+    and the engine is whole after evict_all. The 1st, 3rd and 6th call of each operation fail (each
+    of the first six with KVLEARN_FAULTS=all), and every call from the first on."""
+    import warnings
+
+    import kvlearn.tiers.manager
+
+    monkeypatch.setattr(kvlearn.tiers.manager, "DISK_PAGE_TOKENS", 4)  # pages the prompts fill
+    folders = iter(tmp_path / str(i) for i in range(10_000))
+    reference = tokens(engine(tiny, tokenizer, "radix")) * 2
+    tried, broken = 0, []
+    for operation in DISK_OPERATIONS:
+        for error in DISK_ERRNOS:
+            for k, lasting in [(k, False) for k in sample(6)] + [(1, True)]:
+                folder = next(folders)
+                folder.mkdir()
+                eng = tiered_engine(tiny, tokenizer, folder, policy)
+                with monkeypatch.context() as m, warnings.catch_warnings(record=True):
+                    warnings.simplefilter("always")
+                    failed = disk_fault(m, folder, operation, error, k, lasting)
+                    problems = []
+                    try:
+                        got = tiered_tokens(eng)
+                    except BaseException as e:  # noqa: BLE001 - a disk error must never reach the caller
+                        got, problems = None, [f"generate raised {type(e).__name__}: {e}"]
+                if failed[0] == 0:
+                    continue  # this operation is not reached k times here
+                tried += 1
+                if got is not None and got != reference:
+                    problems.append("different tokens")
+                counted = eng.kv.counters().get(f"disk_errors_{errno.errorcode[error].lower()}", 0)
+                if counted != failed[0]:
+                    problems.append(f"{failed[0]} errors, {counted} counted")
+                if not problems:
+                    again = tiered_tokens(eng)  # the folder works again: writes resume
+                    eng.evict_all()
+                    problems = whole(eng) + ([] if again == reference else ["different tokens afterwards"])
+                if problems:
+                    broken.append(f"{operation} {errno.errorcode[error]} call {k}{'+' if lasting else ''}: "
+                                  f"{'; '.join(problems)}")
     assert tried >= 40 and broken == [], broken
