@@ -1,11 +1,12 @@
 """Chapter 6: the serving engine, made of the pieces of chapters 1-5.
 
+config       EngineConfig: every option of the engine, documented and checked once
 kv_manager   the contract every cache mode implements, and the pool bookkeeping they share
 cache_modes  the three cache modes: none, blocks (chapter 2), radix (chapter 3)
 kv_factories the way in for a later chapter's KV manager (chapter 8's tiers register theirs)
 request      one request: a chapter-1 Sequence with a generation budget and a status
 scheduler    continuous batching: which requests run in the next step
 engine       the scheduler, the KV pool (chapter 4) and the model runner (chapter 5) together
-simulate     the scheduler without the model: what each cache mode would compute
+simulate     the scheduler without the model (SimEngine, the one model-free driver of chapters 6-8)
 workloads    traffic patterns from real use, with their unique-token floors
 """
