@@ -27,7 +27,7 @@ def json_lines(path: Path, errors: list[str]):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                errors.append(f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
+                errors.append(f"{path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})")
                 continue
             if not text.strip():
                 continue

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlearn.errors import check_positive_int
+from kvlearn.routing.jsonlines import bad_lines, json_lines
 
 VOCAB_SIZE = 49152      # SmolLM2's vocabulary: generated token ids are valid for the real model
 FIRST_TOKEN_ID = 3      # generated ids skip SmolLM2's special tokens 0-2 (end of text, <|im_start|>, <|im_end|>)
@@ -140,32 +141,17 @@ def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_er
     if is_mooncake(path):
         return read_mooncake(path, block_size, max_errors).trace_requests()
     rows, errors, seen = [], [], {}
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:  # a binary file, or another encoding: not a trace
-                raise TraceError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                                 f"{e.start + 1}); nothing was simulated: a trace is JSON Lines, UTF-8 "
-                                 "text with one request per line.") from None
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                errors.append(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            problem = _check_line(row, vocab_size)
-            if problem is None and row["id"] in seen:
-                problem = f"id {row['id']!r} already used on line {seen[row['id']]}"
-            if problem is not None:
-                errors.append(f"{path}:{number}: {problem}")
-            else:
-                seen[row["id"]] = number
-                rows.append((number, row))
+    for number, row in json_lines(path, errors):
+        problem = _check_line(row, vocab_size)
+        if problem is None and row["id"] in seen:
+            problem = f"id {row['id']!r} already used on line {seen[row['id']]}"
+        if problem is not None:
+            errors.append(f"{path}:{number}: {problem}")
+        else:
+            seen[row["id"]] = number
+            rows.append((number, row))
     if errors:
-        shown = errors[:max_errors] + ([f"... and {len(errors) - max_errors} more"] if len(errors) > max_errors else [])
-        raise TraceError(f"{len(errors)} bad line(s) in the trace; nothing was simulated:\n  " + "\n  ".join(shown))
+        raise TraceError(bad_lines(errors, max_errors, "the trace; nothing was simulated"))
     if not rows:
         raise TraceError(f"{path} holds no requests: write one JSON object per line.")
     if tokenizer is None and any("prompt" in row for _, row in rows):
