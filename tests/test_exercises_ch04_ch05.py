@@ -26,15 +26,6 @@ def test_ch04_freed_slots():
     assert not ch04.check_freed_slots(...)
 
 
-def test_ch04_free_is_legal():
-    def legal(flags, slots):
-        return (all(0 <= s < len(flags) for s in slots) and len(set(slots)) == len(slots)
-                and not any(flags[s] for s in slots))
-
-    assert ch04.check_free_is_legal(legal)
-    assert not ch04.check_free_is_legal(lambda flags, slots: all(0 <= s < len(flags) and not flags[s] for s in slots))
-
-
 def build_mask(query_lens, kv_lens):
     mask = torch.zeros(len(query_lens), max(query_lens), max(kv_lens), dtype=torch.bool)
     for b, (q, n) in enumerate(zip(query_lens, kv_lens)):

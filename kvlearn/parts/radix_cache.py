@@ -19,7 +19,10 @@ from kvlearn.radix import MatchResult, TreeNode, as_slot_value, as_token_key, su
 
 
 class RadixNode(Protocol):
-    """A node as pictures read it: `kvlearn.radix.TreeNode` has these fields (use it)."""
+    """A node as pictures read it: `kvlearn.radix.TreeNode` has these fields (use it).
+
+    `kvlearn.viz.RadixTrace`, `radix_text` and `draw_radix` read these fields and nothing else of a
+    node, and of the cache only the members of `RadixCachePart`, so they draw a learner's tree too."""
 
     id: int                    # unique in the tree, the root's is 0
     key: tuple                 # the token ids on the edge into this node
@@ -27,6 +30,8 @@ class RadixNode(Protocol):
     parent: RadixNode | None   # None for the root (and for a node evicted from the tree)
     children: dict             # first token (first page tuple when page_size > 1) -> child
     lock_ref: int              # locks on this node or below it; > 0 means protected
+    last_access: int           # logical time of the last match or insert that walked through it
+                               # (LRU's key; the pictures print it as t=)
 
 
 class RadixCachePart(Protocol):

@@ -179,12 +179,13 @@ class RadixTrace:
                      f"evictable {self.cache.evictable_size}", node)
 
     def evict(self, num_tokens: int) -> int:
-        # Listen to the eviction callback to tell the order the nodes went in.
-        node_of = {id(n.value): n.id for n in self.cache.nodes()}  # evict hands over node.value itself
+        # Listen to the eviction callback to tell the order the nodes went in: a slot is held by one
+        # node, so the slots handed over name it (a part may hand over a copy of node.value).
+        node_of = {tuple(n.value.tolist()): n.id for n in self.cache.nodes()[1:]}
         order, callback = [], self.cache.evict_callback
 
         def listen(value):
-            order.append(node_of.get(id(value), "?"))
+            order.append(node_of.get(tuple(value.tolist()), "?"))
             if callback is not None:
                 callback(value)
 
