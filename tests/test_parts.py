@@ -5,10 +5,13 @@ only the documented bases (the bookkeeping the chapters do not teach), never the
 The buggy ones inherit the package's classes and break one rule each.
 """
 
+import functools
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 
@@ -426,3 +429,186 @@ def test_parts_written_outside_the_package_serve_the_real_model(model, tokenizer
     assert ours.stats["cached_tokens"] > 0   # the learner's cache shared the system prompt
     ours.evict_all()
     assert ours.pool.num_free == ours.pool.num_slots
+
+
+# --- the build exercises of chapters 3 and 4: the notebooks' solutions and the usual wrong turns ---
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+
+
+@functools.cache
+def notebook_part(notebook: str, name: str) -> dict:
+    """The namespace of the instructor solution in the notebook's `%%part NAME` cell, run as the
+    magic runs it."""
+    cells = [c.source for c in nbformat.read(NOTEBOOKS / notebook, as_version=4).cells
+             if c.source.startswith(f"%%part {name}\n")]
+    assert len(cells) == 1, f"{notebook}: one %%part {name} cell expected, found {len(cells)}"
+    namespace = {}
+    exec(compile(cells[0].split("\n", 1)[1], f"{notebook}: %%part {name}", "exec"), namespace)
+    return namespace
+
+
+NOTEBOOK_PARTS = [("03_radix_tree.ipynb", "radix_cache", "MyRadixCache"),
+                  ("04_kv_pool.ipynb", "allocator", "MyAllocator")]
+
+
+@pytest.mark.parametrize("notebook, name, cls", NOTEBOOK_PARTS)
+def test_the_notebook_solutions_pass_check(notebook, name, cls):
+    impl = notebook_part(notebook, name)[cls]
+    assert not issubclass(impl, PARTS[name])
+    report = check(name, impl)
+    assert report.passed, report.message
+
+
+def radix_solution():
+    return notebook_part("03_radix_tree.ipynb", "radix_cache")["MyRadixCache"]
+
+
+def allocator_solution():
+    return notebook_part("04_kv_pool.ipynb", "allocator")["MyAllocator"]
+
+
+def split_forgets_lock_ref():
+    class SplitForgetsLockRef(radix_solution()):
+        def split(self, node, k):
+            upper = super().split(node, k)
+            upper.lock_ref = 0   # a new node starts unlocked: but the locks below it are below it
+            return upper
+    return SplitForgetsLockRef
+
+
+def evicts_locked_leaves():
+    class EvictsLockedLeaves(radix_solution()):
+        def evict(self, num_tokens):   # the least recently used leaf, locked or not
+            freed = 0
+            while freed < num_tokens and len(self.nodes()) > 1:
+                victim = min((n for n in self.nodes()[1:] if not n.children), key=lambda n: (n.last_access, n.id))
+                self.evict_callback(victim.value)
+                del victim.parent.children[self.child_key(victim.key)]
+                freed += len(victim.key)
+            return freed
+    return EvictsLockedLeaves
+
+
+def accepts_a_double_free():
+    class AcceptsADoubleFree(allocator_solution()):
+        def free(self, pages):   # no check: a free page goes on the stack a second time
+            n = min(len(pages), self.num_pages - self.top)
+            self.stack[self.top:self.top + n] = pages.flip(0)[:n]
+            self.top += n
+            self.free_flag[pages] = True
+    return AcceptsADoubleFree
+
+
+def empty_allocator():
+    class EmptyAllocator:
+        pass
+    return EmptyAllocator
+
+
+WRONG_TURNS = [
+    ("radix_cache", split_forgets_lock_ref, ["cache.lock(", "protected_size: expected", "lock_ref"]),
+    ("radix_cache", evicts_locked_leaves, ["cache.evict(", "it evicted a locked node", "unlocked leaves"]),
+    ("allocator", accepts_a_double_free, ["page", "is free", "expected ValueError", "check every page first"]),
+    ("allocator", empty_allocator, ["Not yet", "lacks alloc, free, free_pages", "base class"]),
+]
+
+
+@pytest.mark.parametrize("name, make, words", WRONG_TURNS, ids=[w[1].__name__ for w in WRONG_TURNS])
+def test_the_guide_s_wrong_turns_fail_with_a_message(name, make, words):
+    report = check(name, make())
+    assert not report.passed
+    for word in words:
+        assert word in report.message, report.message
+
+
+class QueueAllocator(AllocatorBase):
+    """vLLM's order: a freed page waits behind every page that was free before it."""
+
+    def __init__(self, num_pages, device=None):
+        super().__init__(num_pages, device)
+        self.queue = list(range(num_pages))
+
+    @property
+    def free_pages(self):
+        return list(self.queue)
+
+    def alloc(self, n):
+        if n > len(self.queue):
+            raise KVCapacityError(f"{n} pages asked for, {len(self.queue)} free")
+        taken, self.queue = self.queue[:n], self.queue[n:]
+        return torch.tensor(taken, dtype=torch.int64)
+
+    def free(self, pages):
+        pages = pages.tolist()
+        if len(set(pages)) != len(pages) or set(pages) & set(self.queue):
+            raise ValueError("double free")
+        self.queue += pages
+
+
+def chapter_4_story(allocator_cls) -> list[list[int]]:
+    """Chapter 4's pool story: A takes two pages, B one, A one more, A frees its three, C takes three."""
+    pool = KVPool(1, 1, 1, 20, page_size=4, allocator_cls=allocator_cls)
+    a = pool.alloc(8)
+    b = pool.alloc(4)
+    a = torch.cat([a, pool.alloc(4)])
+    pool.free(a)
+    return [a.tolist(), b.tolist(), pool.alloc(12).tolist()]
+
+
+def test_either_order_passes_check_but_only_the_stack_gives_the_package_s_slots():
+    """The chapter's comparison tells a queue from the package's stack: C starts on the page nobody
+    used (16) instead of A's, freed last."""
+    assert check("allocator", QueueAllocator).passed
+    package = chapter_4_story(PageAllocator)
+    assert chapter_4_story(allocator_solution()) == package
+    queue = chapter_4_story(QueueAllocator)
+    assert queue[:2] == package[:2] and queue[2] != package[2] and queue[2][:4] == [16, 17, 18, 19]
+
+
+def test_the_pictures_read_only_the_contract():
+    """RadixTrace, its text, its pictures and the widget on a part whose nodes hold the contract's
+    fields and nothing else, and whose evict hands over a copy of each node's slots."""
+    from kvlearn.viz import RadixTrace, radix_widget
+
+    class Node:
+        __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access",
+                     "own_locks")   # the contract's fields, and the one this solution adds
+
+        def __init__(self, node_id, key, value, parent):
+            self.id, self.key, self.value, self.parent = node_id, key, value, parent
+            self.children, self.lock_ref, self.last_access, self.own_locks = {}, 0, 0, 0
+
+    class ContractOnly(radix_solution()):
+        def new_node(self, key, value, parent):
+            return Node(next(self._ids), key, value, parent)
+
+        def evict(self, num_tokens):
+            callback = self.evict_callback
+            self.evict_callback = None if callback is None else (lambda value: callback(value.clone()))
+            try:
+                return super().evict(num_tokens)
+            finally:
+                self.evict_callback = callback
+
+    assert check("radix_cache", ContractOnly).passed
+
+    def story(cls):
+        trace = RadixTrace(cls())
+        trace.insert([1, 2, 3, 4, 5, 6], torch.arange(0, 6))
+        trace.insert([1, 2, 3, 7, 8], torch.tensor([0, 1, 2, 6, 7]))
+        trace.insert([9, 9, 9], torch.arange(8, 11))
+        d = trace.match([1, 2, 3, 4, 5, 6, 10])
+        trace.lock(d.last_node)
+        trace.evict(4)
+        trace.unlock(d.last_node)
+        trace.evict(100)
+        return trace
+
+    mine, package = story(ContractOnly), story(RadixCache)
+    assert [(s.description, s.views, s.marks) for s in mine.steps] == \
+        [(s.description, s.views, s.marks) for s in package.steps]
+    assert "freed 5 tokens: #3, then #4" in mine.steps[6].description
+    assert mine.text(6).splitlines()[2:] == package.text(6).splitlines()[2:]
+    assert mine.draw(6).source == package.draw(6).source.replace("RadixCache(", "ContractOnly(")
+    radix_widget(mine, step=len(mine) - 1)
