@@ -123,7 +123,9 @@ class RadixStep(NamedTuple):
 
 
 class RadixTrace:
-    """Runs insert / match / lock / unlock / evict on a RadixCache and records each step.
+    """Runs insert / match / lock / unlock / evict on a RadixCache (or a learner's `radix_cache`
+    part: only the members of `kvlearn.parts.RadixCachePart` and `RadixNode` are read) and records
+    each step.
 
     `text(i)` and `draw(i)` show step i (step 0 is the tree when recording began), colouring the
     nodes that step split, created or evicted; `radix_widget(trace)` steps through them.
