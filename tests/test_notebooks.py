@@ -33,8 +33,11 @@ def test_executed_in_order_without_errors(path):
 
 def shows_something(source: str) -> bool:
     """Whether a cell must leave output: it prints or displays at top level, or ends in an expression
-    whose value Jupyter shows (a bare name, attribute, subscript, ...; a call may return None)."""
-    body = ast.parse(source).body
+    whose value Jupyter shows (a bare name, attribute, subscript, ...; a call may return None). A cell
+    magic (`%%part NAME`) is read as the Python IPython turns it into: a call."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    body = ast.parse(TransformerManager().transform_cell(source)).body
     shown = [s.value for s in body if isinstance(s, ast.Expr)]
     prints = [v for v in shown if isinstance(v, ast.Call) and getattr(v.func, "id", None) in ("print", "display")]
     ends_in_value = bool(body) and isinstance(body[-1], ast.Expr) and not isinstance(body[-1].value, ast.Call)
@@ -44,6 +47,7 @@ def shows_something(source: str) -> bool:
 def test_the_output_rule_sees_a_missing_output():
     assert shows_something("x = 1\nprint(x)") and shows_something("x = 1\nx")
     assert not shows_something("import torch\nregister('spy', spy)") and not shows_something("x = [1]")
+    assert not shows_something("%%part block_table\nclass MyBlockTable:\n    pass")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
