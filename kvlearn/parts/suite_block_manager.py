@@ -74,6 +74,8 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
     trace.note(f"allocator = PageAllocator({n_blocks})")
     m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching={caching}, allocator=allocator)",
                    impl, n_blocks, bs, enable_prefix_caching=caching, allocator=allocator)
+    # After a refused call, whatever changed is the refusal's fault: the capacity rule is the hint.
+    refused = {**hints, **dict.fromkeys(("refs", "free", "table"), hints["capacity"])}
     live: list[list] = []   # [sequence, its name, tokens computed]
     dead: list[list] = []
     prompts: list[list[int]] = []
@@ -109,6 +111,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             same(f"m.can_allocate({name})", fits, got, hints["capacity"])
             if not fits:
                 trace.refused(f"m.allocate({name})", (KVCapacityError,), m.allocate, s, hint=hints["capacity"])
+                check_state(m, ref, allocator, live, trace, caching, refused)
             else:
                 trace.call(f"m.allocate({name})", m.allocate, s)
                 table = list(s.block_table)
@@ -144,7 +147,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             same(f"m.can_append({name})", need <= ref.num_free, got, hints["append"])
             if need > ref.num_free:
                 trace.refused(f"m.may_append({name})", (KVCapacityError,), m.may_append, s, hint=hints["capacity"])
-                check_state(m, ref, allocator, live, trace, caching, hints)
+                check_state(m, ref, allocator, live, trace, caching, refused)
                 release(entry)   # preempted
             else:
                 old = list(ref.tables[s.seq_id])
