@@ -13,6 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kvlearn.errors import KVCapacityError
 from kvlearn.exercises import NOT_YET, OK
 from kvlearn.exercises.parts import check_part, earlier_part, save_part
 from kvlearn.parts import PARTS, check
@@ -120,3 +121,60 @@ def test_earlier_part_reads_the_file_afresh(tmp_path, monkeypatch, capsys):
     mine = earlier_part("block_table", "MyBlockTable")
     assert mine is not PARTS["block_table"] and mine.__name__ == "MyBlockTable"
     assert "it passes check_part('block_table', ...)" in capsys.readouterr().out
+
+
+def chapter_2_wrong_turns(solution):
+    """The usual wrong turns of chapter 2's build exercise (docs/instructor.md), each one change to
+    the instructor's `MyBlockManager`."""
+
+    class NoFullHit(solution):   # the block holding the last token may hit
+        def lookup(self, token_ids):
+            return super().lookup(list(token_ids) + [None])
+
+    class HitsAreFree(solution):   # a hit on a cached block still leaves the free list
+        def blocks_needed(self, seq, hit):
+            return seq.num_blocks - len(hit)
+
+    class NewBlocksFirst(solution):   # evicts for new KV before the hits leave cached_blocks
+        def allocate(self, seq):
+            self.check_new(seq)
+            hit = self.lookup(seq.token_ids)
+            if self.blocks_needed(seq, hit) > self.num_free_blocks:
+                raise KVCapacityError("no room")
+            new = self.new_blocks(seq.num_blocks - len(hit))
+            for block_id in hit:
+                self.cached_blocks.pop(block_id, None)
+                self.blocks[block_id].ref_count += 1
+            seq.block_table[:] = hit + new
+            seq.num_cached_tokens = len(hit) * self.block_size
+            self.live_seqs.add(seq.seq_id)
+
+    class PublishesAtAllocate(solution):   # before the KV is computed
+        def allocate(self, seq):
+            super().allocate(seq)
+            self.hash_blocks(seq)
+
+    class MostRecentlyFreed(solution):   # evicts the newest cached block, not the oldest
+        def new_blocks(self, n):
+            fresh = min(n, self.allocator.num_free)
+            taken = self.allocator.alloc(fresh).tolist()
+            for _ in range(n - fresh):
+                block_id, _ = self.cached_blocks.popitem()
+                self.forget(self.blocks[block_id])
+                self.stats.evicted_blocks += 1
+                taken.append(block_id)
+            for block_id in taken:
+                self.blocks[block_id].ref_count = 1
+            return taken
+
+    return [(NoFullHit, "m.num_cached_prefix(s2): expected 0"), (HitsAreFree, "m.can_allocate(s4): expected False"),
+            (NewBlocksFirst, "which are in use"), (PublishesAtAllocate, "the allocator's free pages"),
+            (MostRecentlyFreed, "which was freed earlier")]
+
+
+def test_chapter_2_wrong_turns_fail_check_with_a_message(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    solution = dict(run_parts("instructor"))["block_manager"]
+    for bug, says in chapter_2_wrong_turns(solution):
+        report = check("block_manager", bug)
+        assert not report.passed and says in report.message and "Hint:" in report.message, (bug, report.message)

@@ -62,7 +62,13 @@ def generate(rng: random.Random, caching: bool = True) -> tuple[dict, list[tuple
              "misuse", "allocate_again", "slot_mapping", "evict_cached"]
     if not caching:   # nothing to publish or evict
         kinds = [k for k in kinds if k not in ("compute", "evict_cached")]
-    return setup, [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
+    ops = []
+    for _ in range(rng.randint(1, 30)):
+        ops.append((rng.choice(kinds), rng.randrange(1 << 30)))
+        if caching and ops[-1][0] == "allocate" and rng.random() < 0.7:
+            # often a prompt is computed at once, so later prompts hit it while the pool runs dry
+            ops.append(("compute", rng.randrange(1 << 30)))
+    return setup, ops
 
 
 def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True, hints: dict = HINTS) -> None:
@@ -96,7 +102,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             tokens = [rng.randint(0, 2) for _ in range(rng.randint(0, 8))]
             if prompts and rng.random() < 0.6:
                 base = rng.choice(prompts)
-                tokens = base[:rng.randint(0, len(base))] + tokens
+                tokens = base[:rng.choice([len(base), rng.randint(0, len(base))])] + tokens   # often a next turn
             tokens = tokens or [0]
             s, name = Sequence(tokens, block_size=bs), f"s{next(names)}"
             trace.note(f"{name} = Sequence({tokens}, block_size={bs})")
