@@ -106,9 +106,10 @@ class BlockManagerBase:
     the constructor's arguments, the `blocks` list, the pool's allocator, the counters, the
     questions pictures ask (free, cached), and the bad-input checks every method starts with.
 
-    A learner's block manager (`kvlearn.parts.BlockManagerPart`) may inherit from it and write the
-    chapters' part: the hash-chain lookup, allocate / may_append / deallocate, hash_blocks and
-    slot_mapping. It keeps two structures for them to fill:
+    A learner's block table (chapter 1, `kvlearn.parts.BlockTablePart`: allocate / may_append /
+    deallocate and slot_mapping) and block manager (chapter 2, `kvlearn.parts.BlockManagerPart`: the
+    hash-chain lookup, hash_blocks, least-recently-freed reuse) may inherit from it and write just
+    the chapters' part. It keeps two structures for them to fill:
     - `cached_blocks`: an OrderedDict of the block ids nobody uses whose prefix can still be hit,
       least recently freed first (put a block at the end when its last user leaves; take the first
       to reuse one, through `evict_one`);

@@ -48,6 +48,7 @@ def test_the_output_rule_sees_a_missing_output():
     assert shows_something("x = 1\nprint(x)") and shows_something("x = 1\nx")
     assert not shows_something("import torch\nregister('spy', spy)") and not shows_something("x = [1]")
     assert not shows_something("%load_ext kvlearn.exercises.parts") and not shows_something("%%part a\nx = 1")
+    assert not shows_something("%%part block_table\nclass MyBlockTable:\n    pass")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

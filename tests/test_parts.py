@@ -241,6 +241,21 @@ class KeepsEverything(BlockManager):
         self.live_seqs.discard(seq.seq_id)
 
 
+class SlotOffByOne(BlockManager):
+    """slot_mapping counts offsets from 1."""
+
+    def slot_mapping(self, seq, start, end, device=None):
+        size = self.block_size
+        return torch.tensor([seq.block_table[p // size] * size + p % size + 1 for p in range(start, end)])
+
+
+class NeverAllocates(BlockManager):
+    """may_append never gives the table a new block."""
+
+    def may_append(self, seq):
+        self.check_live(seq)
+
+
 class HandsOutTwice(PageAllocator):
     def alloc(self, n):
         pages = super().alloc(n)
@@ -301,6 +316,11 @@ def test_parts_written_outside_the_package_pass(name):
 
 
 BUGGY = [
+    ("block_table", SlotOffByOne, ["m.slot_mapping(s1,", "expected [", "block_table[p // block_size]"]),
+    ("block_table", KeepsEverything, ["m.deallocate(s1)", "ref_count", "expected"]),
+    ("block_table", NeverAllocates, ["s1.append_token(", "m.may_append(s1)", "len(s1.block_table): expected",
+                                     "may_append gives the sequence a new block"]),
+    ("block_table", Empty, ["Not yet", "lacks allocate", "slot_mapping"]),
     ("radix_cache", NoOpLocks, ["cache.unlock(m1.last_node)", "Hint:", "own_locks"]),
     ("block_manager", KeepsEverything, ["m.deallocate(s1)", "ref_count", "expected"]),
     ("allocator", HandsOutTwice, ["alloc(", "expected", "free"]),
@@ -311,13 +331,25 @@ BUGGY = [
 ]
 
 
-@pytest.mark.parametrize("name, impl, words", BUGGY, ids=[b[1].__name__ for b in BUGGY])
+@pytest.mark.parametrize("name, impl, words", BUGGY, ids=[f"{b[0]}-{b[1].__name__}" for b in BUGGY])
 def test_known_buggy_parts_fail_with_a_message(name, impl, words):
     report = check(name, impl)
     assert isinstance(report, CheckReport) and not report.passed
     for word in words:
         assert word in report.message, report.message
     assert report.message in repr(report) and "FAILED" in repr(report)
+
+
+def test_block_tables_are_judged_without_prefix_caching():
+    """Chapter 1's suite builds the part with caching off and asks nothing of chapter 2."""
+    report = check("block_table", KeepsEverything)
+    assert "KeepsEverything(" in report.message and "enable_prefix_caching=False" in report.message
+    assert check("block_manager", KeepsEverything).message.count("enable_prefix_caching=True") == 1
+    lacks = check("block_table", Empty).message.splitlines()[0]
+    assert "hash_blocks" not in lacks and "num_cached_prefix" not in lacks and "evict_cached" not in lacks
+
+    lacks = check("block_manager", Empty).message.splitlines()[0]   # chapter 1's members, and chapter 2's
+    assert "allocate" in lacks and "slot_mapping" in lacks and "hash_blocks" in lacks and "evict_cached" in lacks
 
 
 def test_no_op_locks_fail_on_the_sizes():

@@ -112,3 +112,19 @@ def test_columns_empty_in_every_row_are_left_out():
     lines = blocks_text(m, [s]).splitlines()
     assert lines[-4:] == ["block  ref  state", "    0    1  in use", "    1    1  in use",
                           "free list (handed out first -> last): [2, 3]"]
+
+
+class ChatTokenizer:
+    """Decodes every block to chat-template text: HTML's special characters and a newline."""
+
+    def decode(self, ids):
+        return f"<|im_start|>user & {len(ids)}\n"
+
+
+def test_graph_shows_decoded_text_escaped_with_a_tokenizer(state):
+    m, a, b = state
+    src = draw_blocks(m, [a, b], ChatTokenizer(), width=40).source
+    assert src.count("'&lt;|im_start|&gt;user &amp; 2\\n'") == 4 + 3   # 2-token logical blocks; published blocks
+    assert "<|im_start|>" not in src and "[1 2]" not in src            # no raw markup, no ids
+    assert "'&lt;|im_start|&gt;user &amp; 1\\n'" in src                 # the partial last blocks
+    assert "[1 2]" in draw_blocks(m, [a, b]).source                    # without a tokenizer: ids

@@ -1,4 +1,5 @@
-"""Chapter 1 exercises: positions from slots, waste under paging, when decoding takes a block."""
+"""Chapter 1's small exercises (the build exercise, `MyBlockTable`, is checked by
+`kvlearn.parts.check("block_table", ...)`): positions from slots, waste under paging."""
 
 from kvlearn.blocks import BlockManager
 from kvlearn.exercises import attempt, report
@@ -38,21 +39,3 @@ def check_waste(paged_waste) -> bool:
             return report(False, error or f"lengths={lengths}, block_size={block_size}: expected {expected}, "
                           f"got {got}. Only the last block of each sequence can be partly empty.")
     return report(True, "")
-
-
-def check_new_block_steps(answer) -> bool:
-    """Exercise 3: a 13-token prompt, block_size 4, generates 10 tokens. After which generated tokens
-    (numbered 1 to 10) does `may_append` take a new block? Answer a list such as [2, 5]."""
-    manager = BlockManager(8, 4, enable_prefix_caching=False)
-    seq = Sequence([1] * 13, block_size=4)
-    manager.allocate(seq)
-    expected = []
-    for k in range(1, 11):
-        seq.append_token(1)
-        before = len(seq.block_table)
-        manager.may_append(seq)
-        if len(seq.block_table) > before:
-            expected.append(k)
-    ok = isinstance(answer, (list, tuple)) and list(answer) == expected
-    return report(ok, "the table covers 4 blocks of 4 slots after the prompt; a new block is needed "
-                      "when the sequence grows past a multiple of 4.")

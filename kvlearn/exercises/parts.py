@@ -9,11 +9,16 @@ import MyBlockTable`).
 - `check_part(name, impl)` runs `kvlearn.parts.check` and prints the verdict the course counts
   ("OK, well done." or "Not yet: ..." with the report), and remembers it;
 - `use(name, impl)` is the part the chapter then drives: yours once `check_part` passed it, else the
-  package's, saying so, so a student copy runs top to bottom before the exercise is done.
+  package's, saying so, so a student copy runs top to bottom before the exercise is done;
+- `earlier_part(name, attr)` is what a later part grows from (chapter 2's `class
+  MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read from
+  my_parts/NAME.py, once it passes `kvlearn.parts.check`, else the package's, saying so, so the later
+  exercise can be written and checked before the earlier one is done.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -85,4 +90,31 @@ def use(name: str, impl):
     package = PARTS[name]
     print(f"(using the package's {package.__name__}: {getattr(impl, '__name__', impl)} has not passed "
           f"check_part({name!r}, ...) yet)")
+    return package
+
+
+def earlier_part(name: str, attr: str, folder: str | Path = FOLDER):
+    """`attr` of your part `name` as saved in `folder/name.py`, if it passes `kvlearn.parts.check`;
+    else the package's part `kvlearn.parts.PARTS[name]`. Says which, in one line. The file is read
+    afresh on every call, so an edited and re-run earlier cell counts."""
+    from kvlearn.parts import PARTS, check
+
+    path = part_path(name, folder)
+    if not path.exists():
+        reason = f"{path} is not there yet (run the %%part {name} cell)"
+    else:
+        try:
+            spec = importlib.util.spec_from_file_location(f"{FOLDER}.{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            impl = getattr(module, attr)
+        except Exception as error:   # the learner's module: say what went wrong, never raise
+            reason = f"importing {attr} from {path} raised {type(error).__name__}: {error}"
+        else:
+            if check(name, impl).passed:
+                print(f"(building on your {attr} from {path}: it passes check_part({name!r}, ...))")
+                return impl
+            reason = f"your {attr} does not pass check_part({name!r}, ...) yet"
+    package = PARTS[name]
+    print(f"(building on the package's {package.__name__}: {reason})")
     return package

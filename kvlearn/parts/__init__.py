@@ -2,28 +2,34 @@
 
 A part is a class with the contract of the package's own, built with the same arguments:
 
-| name            | the package's                      | contract           | base for untaught bookkeeping |
-|-----------------|------------------------------------|--------------------|-------------------------------|
-| "block_manager" | kvlearn.BlockManager (ch. 1-2)     | BlockManagerPart   | BlockManagerBase              |
-| "radix_cache"   | kvlearn.RadixCache (ch. 3)         | RadixCachePart     | RadixCacheBase                |
-| "allocator"     | kvlearn.allocator.PageAllocator (ch. 4) | AllocatorPart | AllocatorBase                 |
+| name            | the package's                            | contract         | base for untaught bookkeeping |
+|-----------------|------------------------------------------|------------------|-------------------------------|
+| "block_table"   | kvlearn.BlockManager, no caching (ch. 1) | BlockTablePart   | BlockManagerBase              |
+| "block_manager" | kvlearn.BlockManager (ch. 1-2)           | BlockManagerPart | BlockManagerBase              |
+| "radix_cache"   | kvlearn.RadixCache (ch. 3)               | RadixCachePart   | RadixCacheBase                |
+| "allocator"     | kvlearn.allocator.PageAllocator (ch. 4)  | AllocatorPart    | AllocatorBase                 |
 
 `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
 serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
 conformance suite and returns a `CheckReport` (`.passed`, `.message`). A part never needs to
 inherit from the package's finished class; the bases hold only what the chapter does not teach.
+"block_table" is checked and drawn (chapter 1) but serves no engine: the engine's block manager is
+"block_manager", which chapter 2 grows from it. Both are built like `kvlearn.BlockManager`, the
+block table with `enable_prefix_caching=False`.
 """
 
 from kvlearn.allocator import PageAllocator
 from kvlearn.blocks import BlockManager
 from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
-from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart
+from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.radix import RadixCache
 
-# Each part's name -> the package's own class of that name (what a missing part is).
-PARTS = {"block_manager": BlockManager, "radix_cache": RadixCache, "allocator": PageAllocator}
+# Each part's name -> the package's own class of that name (what a missing part is; "block_table" is
+# BlockManager built with enable_prefix_caching=False).
+PARTS = {"block_table": BlockManager, "block_manager": BlockManager, "radix_cache": RadixCache,
+         "allocator": PageAllocator}
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "BlockManagerPart",
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "BlockTablePart", "BlockManagerPart",
            "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode"]

@@ -1,10 +1,17 @@
-"""The `block_manager` part (chapters 1-2): block tables with hashed, shared prefix blocks.
+"""The `block_table` part (chapter 1) and the `block_manager` part (chapters 1-2).
 
-The engine's blocks mode builds it as `cls(num_blocks, block_size, enable_prefix_caching=True,
-allocator=pool.allocator)`, like `kvlearn.BlockManager`, and calls only the members of
-`BlockManagerPart`; pictures also read `blocks`, `is_cached` and `free_block_ids`. A learner writes
-the hash-chain lookup, allocate / may_append / deallocate, hash_blocks and slot_mapping;
-`kvlearn.blocks.BlockManagerBase` (re-exported here) holds the rest.
+`block_table`: block tables without prefix caching, built as `cls(num_blocks, block_size,
+enable_prefix_caching=False, allocator=allocator)`; a learner writes allocate / may_append /
+deallocate, slot_mapping and the capacity questions (the contract `BlockTablePart`). Nothing in the
+engine uses it: chapter 1 checks it and draws its tables, and chapter 2's part may grow from it.
+
+`block_manager`: block tables with hashed, shared prefix blocks. The engine's blocks mode builds it
+as `cls(num_blocks, block_size, enable_prefix_caching=True, allocator=pool.allocator)`, like
+`kvlearn.BlockManager`, and calls only the members of `BlockManagerPart`; pictures also read
+`blocks`, `is_cached` and `free_block_ids`. A learner adds the hash-chain lookup, hash_blocks and
+least-recently-freed reuse.
+
+`kvlearn.blocks.BlockManagerBase` (re-exported here) holds the rest for both.
 """
 
 from __future__ import annotations
@@ -16,24 +23,23 @@ import torch
 from kvlearn.blocks import Block, BlockManagerBase, PrefixCacheStats
 from kvlearn.sequence import Sequence
 
-__all__ = ["BlockManagerPart", "BlockManagerBase"]
+__all__ = ["BlockTablePart", "BlockManagerPart", "BlockManagerBase"]
 
 
-class BlockManagerPart(Protocol):
-    """What the engine's blocks mode asks of a block manager (`kvlearn.serving.cache_modes.BlockKV`).
+class BlockTablePart(Protocol):
+    """What chapter 1 asks of block tables (no prefix caching), and what pictures of them read.
 
-    Rules (the chapters'): new blocks are the allocator's free pages first, then cached blocks
-    nobody uses, least recently freed first (whatever such a block cached is forgotten); a full
-    block is published (findable by its chained hash) only by `hash_blocks`, once its KV is computed,
-    and one copy per prefix; a new sequence shares its longest published prefix, never its last
-    token; a block's `ref_count` is the number of live block tables that hold it. A call that cannot
-    be served raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated
-    twice or never allocated) and changes nothing.
+    Rules (the chapter's): a sequence's table holds one block per logical block, new blocks are the
+    allocator's free pages (`allocator.alloc`), and every block of a deallocated sequence goes back
+    to the allocator (`allocator.free`); a block's `ref_count` is the number of live block tables
+    that hold it. Token position p lives in slot `block_table[p // block_size] * block_size +
+    p % block_size`. A call that cannot be served raises `kvlearn.KVCapacityError` (no room) or
+    ValueError (a sequence allocated twice, or deallocated twice or never allocated) and changes
+    nothing.
     """
 
     block_size: int
-    blocks: list[Block]        # blocks[i].block_id == i; ref_count, hash, token_ids (pictures)
-    stats: PrefixCacheStats    # the engine reads stats.evicted_blocks (cached blocks reused or dropped)
+    blocks: list[Block]        # blocks[i].block_id == i; ref_count (pictures)
 
     @property
     def num_blocks(self) -> int:
@@ -41,30 +47,20 @@ class BlockManagerPart(Protocol):
 
     @property
     def num_free_blocks(self) -> int:
-        """Query: blocks a sequence could get now (free pages and cached blocks nobody uses)."""
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        """Query: blocks nobody uses whose prefix can still be hit (evictable)."""
+        """Query: blocks a sequence could get now."""
 
     @property
     def free_block_ids(self) -> list[int]:
         """Query: the blocks a sequence could get, in the order they are handed out."""
 
     def is_cached(self, block_id: int) -> bool:
-        """Query: whether a block nobody uses can still be hit."""
-
-    def num_cached_prefix(self, seq: Sequence | list[int]) -> int:
-        """Query: tokens `allocate` would take from the cache now; changes nothing."""
+        """Query: whether a block nobody uses can still be hit (never, without prefix caching)."""
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Query: whether `allocate(seq)` would succeed now."""
 
     def allocate(self, seq: Sequence) -> None:
         """Mutation: fill `seq.block_table` (every token) and `seq.num_cached_tokens`."""
-
-    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
-        """Mutation: publish the full blocks whose KV is computed; returns how many were new."""
 
     def can_append(self, seq: Sequence) -> bool:
         """Query: whether `may_append(seq)` would succeed now."""
@@ -73,10 +69,37 @@ class BlockManagerPart(Protocol):
         """Mutation: after `seq.append_token`, make sure every token has a block."""
 
     def deallocate(self, seq: Sequence) -> None:
-        """Mutation: release the sequence's blocks; published ones nobody holds stay cached."""
+        """Mutation: release the sequence's blocks and empty its table."""
 
     def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
         """Query: the KV slots of token positions [start, end), a 1-D int64 tensor."""
+
+
+class BlockManagerPart(BlockTablePart, Protocol):
+    """What the engine's blocks mode asks of a block manager (`kvlearn.serving.cache_modes.BlockKV`):
+    `BlockTablePart`'s members, with prefix caching, and the members below.
+
+    Rules (the chapters'): new blocks are the allocator's free pages first, then cached blocks
+    nobody uses, least recently freed first (whatever such a block cached is forgotten); a full
+    block is published (findable by its chained hash) only by `hash_blocks`, once its KV is computed,
+    and one copy per prefix; a new sequence shares its longest published prefix, never its last
+    token; a block's `ref_count` is the number of live block tables that hold it. A deallocated
+    block nobody holds stays cached if it is the published copy of its prefix. A call that cannot
+    be served raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated
+    twice or never allocated) and changes nothing.
+    """
+
+    stats: PrefixCacheStats    # the engine reads stats.evicted_blocks (cached blocks reused or dropped)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Query: blocks nobody uses whose prefix can still be hit (evictable)."""
+
+    def num_cached_prefix(self, seq: Sequence | list[int]) -> int:
+        """Query: tokens `allocate` would take from the cache now; changes nothing."""
+
+    def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
+        """Mutation: publish the full blocks whose KV is computed; returns how many were new."""
 
     def evict_cached(self) -> int:
         """Mutation: forget every cached block nobody uses; returns the tokens forgotten."""

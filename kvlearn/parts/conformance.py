@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvlearn.parts import suite_allocator, suite_block_manager, suite_radix_cache
+from kvlearn.parts import suite_allocator, suite_block_manager, suite_block_table, suite_radix_cache
 from kvlearn.parts.allocator import AllocatorPart
-from kvlearn.parts.block_manager import BlockManagerPart
+from kvlearn.parts.block_manager import BlockManagerPart, BlockTablePart
 from kvlearn.parts.radix_cache import RadixCachePart
 from kvlearn.parts.trace import Broken, Raised, Trace
 
@@ -43,6 +43,7 @@ class Suite:
 
 
 SUITES = {
+    "block_table": Suite(suite_block_table, BlockTablePart, "chapter 1"),
     "block_manager": Suite(suite_block_manager, BlockManagerPart, "chapters 1-2"),
     "radix_cache": Suite(suite_radix_cache, RadixCachePart, "chapter 3"),
     "allocator": Suite(suite_allocator, AllocatorPart, "chapter 4"),
@@ -72,13 +73,14 @@ class _Timeout(BaseException):
 
 
 def contract_members(contract: type) -> list[str]:
-    """The methods and properties a part's class must have (its data attributes are set in __init__)."""
-    return sorted(name for name, value in vars(contract).items()
-                  if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)))
+    """The methods and properties a part's class must have, the contract's own and those of the
+    contracts it extends (its data attributes are set in __init__)."""
+    return sorted({name for klass in contract.__mro__ for name, value in vars(klass).items()
+                   if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))})
 
 
 def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed: int = 0) -> CheckReport:
-    """Run the conformance suite of part `name` ("block_manager", "radix_cache" or "allocator") on
+    """Run the conformance suite of part `name` (a key of `SUITES`: "block_table", "block_manager", ...) on
     `impl`, the part's class (built with the same arguments as the package's). `time_limit_s`:
     the most all programs may take together (a part still running then fails). Never raises
     because of the part; ValueError for an unknown `name`."""

@@ -6,6 +6,10 @@ blocks): allocate (often a prompt that extends an earlier one), compute (`hash_b
 token), append a token (and may_append, or preempt when there is no room), deallocate, misuse of a
 deallocated sequence, `slot_mapping`, `evict_cached`. After every call the part's blocks, counts
 and tables must be the reference's.
+
+With `caching=False` (chapter 1's `block_table` suite, `suite_block_table`) the part is built with
+`enable_prefix_caching=False`, judged by the reference with prefix caching off, and asked only what
+`BlockTablePart` lists: no lookup, no hash_blocks, no evict_cached, no cache counters.
 """
 
 from __future__ import annotations
@@ -52,20 +56,32 @@ HINTS = {
 }
 
 
-def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
+def generate(rng: random.Random, caching: bool = True) -> tuple[dict, list[tuple]]:
     setup = {"block_size": rng.choice([1, 2, 2, 3, 4]), "num_blocks": rng.randint(1, 10)}
     kinds = ["allocate", "allocate", "allocate", "compute", "compute", "append", "append", "deallocate",
              "misuse", "allocate_again", "slot_mapping", "evict_cached"]
-    return setup, [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
+    if not caching:   # nothing to publish or evict
+        kinds = [k for k in kinds if k not in ("compute", "evict_cached")]
+    ops = []
+    for _ in range(rng.randint(1, 30)):
+        ops.append((rng.choice(kinds), rng.randrange(1 << 30)))
+        if caching and ops[-1][0] == "allocate" and rng.random() < 0.7:
+            # often a prompt is computed at once, so later prompts hit it while the pool runs dry
+            ops.append(("compute", rng.randrange(1 << 30)))
+    return setup, ops
 
 
-def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
+def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True, hints: dict = HINTS) -> None:
+    """Run one program on a fresh part; `Broken` (with one of `hints`) at the first call the
+    reference disagrees with."""
     bs, n_blocks = setup["block_size"], setup["num_blocks"]
-    ref = BlockReference(n_blocks, bs)
+    ref = BlockReference(n_blocks, bs, caching)
     allocator = PageAllocator(n_blocks, device="cpu")
     trace.note(f"allocator = PageAllocator({n_blocks})")
-    m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching=True, allocator=allocator)",
-                   impl, n_blocks, bs, enable_prefix_caching=True, allocator=allocator)
+    m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching={caching}, allocator=allocator)",
+                   impl, n_blocks, bs, enable_prefix_caching=caching, allocator=allocator)
+    # After a refused call, whatever changed is the refusal's fault: the capacity rule is the hint.
+    refused = {**hints, **dict.fromkeys(("refs", "free", "table"), hints["capacity"])}
     live: list[list] = []   # [sequence, its name, tokens computed]
     dead: list[list] = []
     prompts: list[list[int]] = []
@@ -78,7 +94,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         live.remove(entry)
         dead.append(entry)
         prompts.append(list(s.token_ids))
-        same(f"{name}.block_table after deallocate", [], list(s.block_table), HINTS["misuse"])
+        same(f"{name}.block_table after deallocate", [], list(s.block_table), hints["misuse"])
 
     for trace.op, (op, r) in enumerate(ops):
         rng = random.Random(r)
@@ -86,31 +102,35 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
             tokens = [rng.randint(0, 2) for _ in range(rng.randint(0, 8))]
             if prompts and rng.random() < 0.6:
                 base = rng.choice(prompts)
-                tokens = base[:rng.randint(0, len(base))] + tokens
+                tokens = base[:rng.choice([len(base), rng.randint(0, len(base))])] + tokens   # often a next turn
             tokens = tokens or [0]
             s, name = Sequence(tokens, block_size=bs), f"s{next(names)}"
             trace.note(f"{name} = Sequence({tokens}, block_size={bs})")
-            hit = ref.hit(tokens)
+            hit = ref.hit(tokens)   # none without prefix caching
             fits = ref.blocks_needed(len(tokens), hit) <= ref.num_free
-            got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
-            trace.answer(str(got))
-            same(f"m.num_cached_prefix({name})", len(hit) * bs, got, HINTS["hit"])
+            if caching:
+                got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
+                trace.answer(str(got))
+                same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints["hit"])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
-            same(f"m.can_allocate({name})", fits, got, HINTS["capacity"])
+            same(f"m.can_allocate({name})", fits, got, hints["capacity"])
             if not fits:
-                trace.refused(f"m.allocate({name})", (KVCapacityError,), m.allocate, s, hint=HINTS["capacity"])
+                trace.refused(f"m.allocate({name})", (KVCapacityError,), m.allocate, s, hint=hints["capacity"])
+                check_state(m, ref, allocator, live, trace, caching, refused)
             else:
                 trace.call(f"m.allocate({name})", m.allocate, s)
                 table = list(s.block_table)
                 trace.answer(f"block_table {table}, num_cached_tokens {s.num_cached_tokens}")
-                same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens, HINTS["hit"])
-                same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)], HINTS["hit"])
-                same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["table"])
+                same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens,
+                     hints["hit" if caching else "table"])
+                if caching:
+                    same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)], hints["hit"])
+                same(f"len({name}.block_table)", s.num_blocks, len(table), hints["table"])
                 problem = ref.allocate(s.seq_id, hit, table[len(hit):])
                 if problem:
-                    raise Broken(f"m.allocate({name}): {problem}", HINTS["take"])
-                live.append([s, name, len(hit) * bs])
+                    raise Broken(f"m.allocate({name}): {problem}", hints["take"])
+                live.append([s, name, len(hit) * bs if caching else s.num_tokens])   # nothing to publish
         elif op == "compute" and live:
             entry = rng.choice(live)
             s, name, done = entry
@@ -130,10 +150,10 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
             need = s.num_blocks - len(ref.tables[s.seq_id])
             got = trace.call(f"m.can_append({name})", m.can_append, s)
             trace.answer(str(got))
-            same(f"m.can_append({name})", need <= ref.num_free, got, HINTS["append"])
+            same(f"m.can_append({name})", need <= ref.num_free, got, hints["append"])
             if need > ref.num_free:
-                trace.refused(f"m.may_append({name})", (KVCapacityError,), m.may_append, s, hint=HINTS["capacity"])
-                check_state(m, ref, allocator, live, trace)
+                trace.refused(f"m.may_append({name})", (KVCapacityError,), m.may_append, s, hint=hints["capacity"])
+                check_state(m, ref, allocator, live, trace, caching, refused)
                 release(entry)   # preempted
             else:
                 old = list(ref.tables[s.seq_id])
@@ -141,22 +161,22 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                 table = list(s.block_table)
                 trace.answer(f"block_table {table}")
                 same(f"{name}.block_table[:{len(old)}] (unchanged by may_append)", old, table[:len(old)],
-                     HINTS["append"])
-                same(f"len({name}.block_table)", s.num_blocks, len(table), HINTS["append"])
+                     hints["append"])
+                same(f"len({name}.block_table)", s.num_blocks, len(table), hints["append"])
                 problem = ref.append(s.seq_id, table)
                 if problem:
-                    raise Broken(f"m.may_append({name}): {problem}", HINTS["take"])
+                    raise Broken(f"m.may_append({name}): {problem}", hints["take"])
         elif op == "deallocate" and live:
             release(rng.choice(live))
         elif op == "allocate_again" and live:
             s, name, _ = rng.choice(live)
             trace.refused(f"m.allocate({name})   # already allocated", (ValueError,), m.allocate, s,
-                          hint=HINTS["misuse"])
+                          hint=hints["misuse"])
         elif op == "misuse" and dead:
             s, name, _ = rng.choice(dead)
-            call = rng.choice(["deallocate", "may_append", "can_append", "hash_blocks"])
+            call = rng.choice(["deallocate", "may_append", "can_append"] + (["hash_blocks"] if caching else []))
             trace.refused(f"m.{call}({name})   # deallocated", (ValueError,), getattr(m, call), s,
-                          hint=HINTS["misuse"])
+                          hint=hints["misuse"])
         elif op == "slot_mapping" and live:
             s, name, _ = rng.choice(live)
             covered = min(s.num_tokens, len(s.block_table) * bs)
@@ -166,18 +186,20 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                                                            m.slot_mapping, s, start, end))
             trace.answer(str(got))
             expect = [s.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            same(f"m.slot_mapping({name}, {start}, {end})", expect, got, HINTS["slots"])
+            same(f"m.slot_mapping({name}, {start}, {end})", expect, got, hints["slots"])
         elif op == "evict_cached":
             got = number("evict_cached's answer", trace.call("m.evict_cached()", m.evict_cached))
             trace.answer(str(got))
-            same("m.evict_cached()", ref.evict_cached(), got, HINTS["evict_cached"])
+            same("m.evict_cached()", ref.evict_cached(), got, hints["evict_cached"])
         else:
             continue
-        check_state(m, ref, allocator, live, trace)
+        check_state(m, ref, allocator, live, trace, caching, hints)
 
 
-def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[list], trace: Trace) -> None:
-    """Every block's ref_count, the free and cached blocks and the live tables, against the reference."""
+def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[list], trace: Trace,
+                caching: bool = True, hints: dict = HINTS) -> None:
+    """Every block's ref_count, the free (and, with caching, cached) blocks and the live tables,
+    against the reference."""
     def ask(what: str):
         return trace.call(f"m.{what}", attrgetter(what), m, quiet=True)
 
@@ -185,16 +207,18 @@ def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[lis
     blocks = ask("blocks")
     got = [(b.block_id, b.ref_count) for b in blocks]
     same("[(b.block_id, b.ref_count) for b in m.blocks]", [(b, refs[b]) for b in range(ref.num_blocks)], got,
-         HINTS["refs"])
+         hints["refs"])
     for s, name, _ in live:
-        same(f"{name}.block_table", ref.tables[s.seq_id], list(s.block_table), HINTS["table"])
-    same("m.num_free_blocks", ref.num_free, number("num_free_blocks", ask("num_free_blocks")), HINTS["free"])
+        same(f"{name}.block_table", ref.tables[s.seq_id], list(s.block_table), hints["table"])
+    same("m.num_free_blocks", ref.num_free, number("num_free_blocks", ask("num_free_blocks")), hints["free"])
     same("the allocator's free pages (the part must take new blocks from the allocator it was given)",
-         sorted(ref.free), sorted(allocator.free_pages), HINTS["free"])
-    same("m.num_cached_free_blocks", len(ref.cached), number("num_cached_free_blocks", ask("num_cached_free_blocks")),
-         HINTS["free"])
+         sorted(ref.free), sorted(allocator.free_pages), hints["free"])
+    if caching:
+        same("m.num_cached_free_blocks", len(ref.cached),
+             number("num_cached_free_blocks", ask("num_cached_free_blocks")), hints["free"])
     same("the blocks m.is_cached says are cached", sorted(ref.cached),
          [b for b in range(ref.num_blocks) if trace.call(f"m.is_cached({b})", m.is_cached, b, quiet=True)],
-         HINTS["free"])
-    same("sorted(m.free_block_ids)", sorted(ref.free | set(ref.cached)), sorted(ask("free_block_ids")), HINTS["free"])
-    same("m.stats.evicted_blocks", ref.evicted_blocks, ask("stats.evicted_blocks"), HINTS["take"])
+         hints["free"])
+    same("sorted(m.free_block_ids)", sorted(ref.free | set(ref.cached)), sorted(ask("free_block_ids")), hints["free"])
+    if caching:
+        same("m.stats.evicted_blocks", ref.evicted_blocks, ask("stats.evicted_blocks"), hints["take"])

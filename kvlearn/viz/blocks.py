@@ -7,12 +7,13 @@ A physical block is in one of four states, the same in picture and text: free, c
 
 from __future__ import annotations
 
+from html import escape
 from typing import TYPE_CHECKING
 
 from kvlearn.blocks import short_hash
 from kvlearn.sequence import shorten
 from kvlearn.viz.palette import INK, legend, owner_color
-from kvlearn.viz.text import elide, legend_table
+from kvlearn.viz.text import edge_tokens, elide, legend_table
 
 if TYPE_CHECKING:
     import graphviz
@@ -72,18 +73,24 @@ def _html_table(title: str, rows: list[str]) -> str:
             f'<TR><TD BGCOLOR="{INK["header"]}">{title}</TD></TR>{"".join(rows)}</TABLE>>')
 
 
-def draw_blocks(manager, seqs) -> graphviz.Digraph:
+def draw_blocks(manager, seqs, tokenizer=None, width: int = 40) -> graphviz.Digraph:
     """Logical blocks of each sequence (left) pointing at the physical blocks (right).
 
     Physical blocks are coloured by state (kvlearn.viz.palette): free (white), freed but still
-    cached (green), in use by one sequence (blue), shared by several (orange).
+    cached (green), in use by one sequence (blue), shared by several (orange). With a tokenizer, a
+    block's tokens show as the text they decode to (in quotes, at most `width` characters), else
+    as ids.
     """
     import graphviz
+
+    def tokens(ids) -> str:
+        text = edge_tokens(ids, tokenizer, width) if tokenizer is not None else f"[{_tokens(ids)}]"
+        return escape(text, quote=False)   # decoded text may hold <, > and & (chat templates do)
 
     g = graphviz.Digraph("blocks", graph_attr={"rankdir": "LR", "nodesep": "0.3", "ranksep": "1.2"},
                          node_attr={"shape": "plaintext", "fontname": "Helvetica", "fontsize": "11"})
     for k, seq in enumerate(seqs):
-        rows = [f'<TR><TD PORT="l{i}" ALIGN="LEFT">{i}: {_tokens(seq.block(i))}</TD></TR>'
+        rows = [f'<TR><TD PORT="l{i}" ALIGN="LEFT">{i}: {tokens(seq.block(i))}</TD></TR>'
                 for i in range(len(seq.block_table))]
         title = f"<B>seq {seq.seq_id}</B> ({seq.num_cached_tokens}/{seq.num_tokens} cached)"
         g.node(f"seq{seq.seq_id}", _html_table(title, rows))
@@ -92,9 +99,9 @@ def draw_blocks(manager, seqs) -> graphviz.Digraph:
             g.edge(f"seq{seq.seq_id}:l{i}:e", f"pool:p{block_id}:w", color=color)
     rows = []
     for b in manager.blocks:
-        tokens = f"  [{_tokens(b.token_ids)}]" if b.token_ids else ""
+        held = f"  {tokens(b.token_ids)}" if b.token_ids else ""
         rows.append(f'<TR><TD PORT="p{b.block_id}" BGCOLOR="{_BLOCK_COLORS[_block_state(manager, b)]}" ALIGN="LEFT">'
-                    f"block {b.block_id}  ref {b.ref_count}  {short_hash(b.hash)}{tokens}</TD></TR>")
+                    f"block {b.block_id}  ref {b.ref_count}  {short_hash(b.hash)}{held}</TD></TR>")
     rows.append(f'<TR><TD BORDER="0">{legend_table(_BLOCK_COLORS)}</TD></TR>')
     g.node("pool", _html_table("<B>physical blocks</B>", rows))
     return g

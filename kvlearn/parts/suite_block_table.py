@@ -1,0 +1,37 @@
+"""The conformance suite of the `block_table` part (chapter 1): the `block_manager` suite with prefix
+caching off (`suite_block_manager` with `caching=False`), and hints in chapter 1's words.
+
+The part is built as `cls(num_blocks, block_size, enable_prefix_caching=False, allocator=allocator)`
+and judged by `BlockReference(..., caching=False)`: programs of allocate, append (may_append, or a
+preemption when there is no room), deallocate, misuse and `slot_mapping`, with every block's
+ref_count, the free blocks and the live tables compared after each call.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvlearn.parts import suite_block_manager
+from kvlearn.parts.trace import Trace
+
+# The block_manager suite's hints, less what chapter 1 never asks, with its own words where they differ.
+HINTS = {key: hint for key, hint in suite_block_manager.HINTS.items() if key not in ("hit", "publish", "evict_cached")}
+HINTS |= {
+    "table": "allocate gives the sequence one block per logical block (seq.num_blocks of them, the first "
+             "logical block first); without prefix caching seq.num_cached_tokens stays 0 (chapter 1).",
+    "take": "new blocks come from the allocator's free pages (self.allocator.alloc(n) hands out n of them), and "
+            "a block belongs to one table at a time: never hand out a block that a live table holds.",
+    "free": "deallocate gives every block of the table back to the allocator (self.allocator.free(ids), ids a "
+            "1-D int64 tensor), so num_free_blocks and free_block_ids count them again.",
+    "misuse": "deallocate, may_append and can_append raise ValueError for a sequence that is not allocated "
+              "(never, or already deallocated), allocate for one that is, and they change nothing "
+              "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
+}
+
+
+def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
+    return suite_block_manager.generate(rng, caching=False)
+
+
+def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
+    suite_block_manager.run(impl, setup, ops, trace, caching=False, hints=HINTS)
