@@ -57,45 +57,37 @@ def on_disk_after_crash(write_policy: str) -> set[str]:
         return {name for name, key in PROMPTS.items() if fresh.reachable_len(key) == len(key)}
 
 
-def _as_sets(answer) -> dict | None:
-    """{policy: set of prompt names} from a dict of iterables of names, or None if it is not one."""
-    if not isinstance(answer, dict) or set(answer) != set(POLICIES):
-        return None
+def _check_per_policy(answer, truth, hints: dict) -> bool:
+    """Compare {policy: prompt names} with `truth(policy)` for each policy, in the order of `hints`
+    (policy -> the hint for a wrong answer there)."""
     try:
-        return {p: {str(n).upper() for n in answer[p]} for p in POLICIES}
-    except TypeError:
-        return None
+        got = {p: {str(n).upper() for n in answer[p]} for p in POLICIES} if set(answer) == set(POLICIES) else None
+    except TypeError:  # not a dict of iterables: a stub (`...`, None) or a number
+        got = None
+    if got is None:
+        return report(False, "answer with a dict {'write_back': {...}, 'write_through': {...}} of prompt names "
+                             "such as 'A'.")
+    for policy, hint in hints.items():
+        if got[policy] != truth(policy):
+            return report(False, f"{policy}: {hint}")
+    return report(True, "")
 
 
 def check_host_keeps(answer) -> bool:
     """Exercise 1: `answer` = {"write_back": prompts, "write_through": prompts}: the prompts of
     PROMPTS whose KV is still cached (device or host) after `serve(policy)`, no disk."""
-    got = _as_sets(answer)
-    if got is None:
-        return report(False, "answer with a dict {'write_back': {...}, 'write_through': {...}} of prompt names "
-                             "such as 'A'.")
-    want = {p: kept_in_memory(p) for p in POLICIES}
-    if got["write_back"] != want["write_back"]:
-        return report(False, "write_back: follow the device's evictions (least recently used first): where does "
-                             "each evicted prompt go, and what must the host drop once it is full?")
-    if got["write_through"] != want["write_through"]:
-        return report(False, "write_through: every prompt is copied to the host when it is inserted, so what do "
-                             "the host's slots hold while that prompt is still on the device?")
-    return report(True, "")
+    return _check_per_policy(answer, kept_in_memory, {
+        "write_back": "follow the device's evictions (least recently used first): where does each evicted "
+                      "prompt go, and what must the host drop once it is full?",
+        "write_through": "every prompt is copied to the host when it is inserted, so what do the host's slots "
+                         "hold while that prompt is still on the device?"})
 
 
 def check_crash_survivors(answer) -> bool:
     """Exercise 2: `answer` = {"write_back": prompts, "write_through": prompts}: the prompts a new
     process finds on disk after `serve(policy, disk_dir)` ends in a crash."""
-    got = _as_sets(answer)
-    if got is None:
-        return report(False, "answer with a dict {'write_back': {...}, 'write_through': {...}} of prompt names "
-                             "such as 'A'.")
-    want = {p: on_disk_after_crash(p) for p in POLICIES}
-    if got["write_through"] != want["write_through"]:
-        return report(False, "write_through: when is a prompt's page written to disk, and can a crash come "
-                             "between its insert and that write?")
-    if got["write_back"] != want["write_back"]:
-        return report(False, "write_back writes a page down only when its node leaves memory altogether: "
-                             "which prompts left the host before the crash?")
-    return report(True, "")
+    return _check_per_policy(answer, on_disk_after_crash, {
+        "write_through": "when is a prompt's page written to disk, and can a crash come between its insert "
+                         "and that write?",
+        "write_back": "it writes a page down only when its node leaves memory altogether: which prompts left "
+                      "the host before the crash?"})
