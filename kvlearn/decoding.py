@@ -208,9 +208,8 @@ def tiny_twin(config):
     almost nothing, so its time is the fixed cost of a step."""
     from transformers import AutoModelForCausalLM
 
-    kv_ratio = config.num_attention_heads // config.num_key_value_heads
-    small = dict(config.to_dict(), hidden_size=4 * config.num_attention_heads, head_dim=4,
-                 num_key_value_heads=config.num_attention_heads // kv_ratio, intermediate_size=8, vocab_size=256)
+    small = dict(config.to_dict(), hidden_size=4 * config.num_attention_heads, head_dim=4, intermediate_size=8,
+                 vocab_size=256)  # the same layers, query and KV heads
     small_config = type(config).from_dict(small)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
