@@ -1,18 +1,30 @@
-"""Chapter 0: greedy decoding with and without a KV cache, timed and counted.
+"""Chapter 0: greedy decoding with and without a KV cache, timed and counted; and what bounds
+one decode step.
 
 Without a cache every new token re-runs the model over the whole sequence, so step t costs work
 proportional to t (and attention to t squared); with a cache each step feeds one token and reads
 the keys and values kept from earlier steps. Both must produce exactly the same tokens.
+
+A decode step of `batch` sequences has three lower bounds on its time (the roofline):
+- bytes: every weight is read once per step, and each sequence reads its cached K and V
+  (`decode_step_bytes`), at best at the machine's plain read bandwidth (`plain_read_gb_s`);
+- FLOPs: 2 per multiply-add, for every weight and every sequence, plus attention (`forward_flops`),
+  at best at the machine's matrix-product rate (`matmul_gflop_s`);
+- a fixed cost per step: Python and one operator launch per layer operation, whatever the sizes,
+  seen alone in a twin of the model with the same layers and tiny widths (`tiny_twin`).
+Measured step times at several batch sizes fit `time = fixed + per_seq * batch` (`fit_step_cost`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvlearn.errors import check_positive_int
+from kvlearn.memory import kv_bytes_per_token
 from kvlearn.model import eos_token_ids
 
 
@@ -47,17 +59,24 @@ def greedy_decode(model, prompt_ids, max_new_tokens: int, use_cache: bool = True
     return tokens, seconds
 
 
+def weight_params(config) -> int:
+    """Weights one token is multiplied by: the attention projections and MLP of every layer, and
+    the LM head (norms and the embedding lookup are negligible)."""
+    d, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * hd * 2 + d * kv_heads * hd * 2 + 3 * d * config.intermediate_size
+    return config.num_hidden_layers * per_layer + d * config.vocab_size
+
+
 def forward_flops(config, num_new: int, num_context: int) -> int:
     """Approximate FLOPs of one forward that computes `num_new` tokens at the end of a `num_context`-token
     sequence: 2 per multiply-add in the projections and MLP of each new token, plus attention scores and
     weighted sums over the positions each new token can see (causal)."""
-    d, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or d // heads
-    per_layer = d * heads * hd * 2 + d * kv_heads * hd * 2 + 3 * d * config.intermediate_size
-    weights = config.num_hidden_layers * per_layer + d * config.vocab_size
+    heads = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
     seen = num_new * (num_context - num_new) + num_new * (num_new + 1) // 2  # query-key pairs
     attention = 2 * 2 * config.num_hidden_layers * heads * hd * seen
-    return 2 * num_new * weights + attention
+    return 2 * num_new * weight_params(config) + attention
 
 
 @dataclass
@@ -124,3 +143,123 @@ def plot_step_times(comparison: Comparison):
         ax.legend()
     fig.suptitle("SmolLM2-135M greedy decoding: measured on this CPU (left), counted (right)")
     return fig
+
+
+# --- the roofline of one decode step -------------------------------------------------------------
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one forward multiplies by: every linear layer, the LM head included
+    (a tied embedding is read through the LM head; the embedding rows and norms are negligible)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+class StepBytes(NamedTuple):
+    """Bytes one decode step reads: the weights once, and every sequence's K and V."""
+
+    weights: int
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def decode_step_bytes(model, batch: int, context: int) -> StepBytes:
+    """What a decode step of `batch` sequences reads when each new token attends to `context`
+    positions (its own included): the weights once, whatever the batch, and context tokens' K and V
+    per sequence, in the model's dtype."""
+    check_positive_int("batch", batch)
+    check_positive_int("context", context)
+    return StepBytes(weight_bytes(model), batch * context * kv_bytes_per_token(model.config, model.dtype))
+
+
+def _best_seconds(fn, rounds: int) -> float:
+    """The fastest of `rounds` calls after one untimed call: other work only ever slows a call down."""
+    check_positive_int("rounds", rounds)
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def plain_read_gb_s(nbytes: int = 256 * 2 ** 20, rounds: int = 5) -> float:
+    """Bandwidth of a plain `sum` over `nbytes` of float32 (best of `rounds`; the memory, not a CPU
+    cache, for sizes of the weights): no step that reads as many bytes can beat it."""
+    check_positive_int("nbytes", nbytes)
+    block = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _best_seconds(lambda: block.sum().item(), rounds) / 1e9
+
+
+def matmul_gflop_s(n: int = 1024, rounds: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Rate of a square n x n matrix product (2 n^3 FLOPs, best of `rounds`): what the machine's
+    matrix units reach on a product large enough to keep them busy."""
+    check_positive_int("n", n)
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return 2 * n ** 3 / _best_seconds(lambda: (a @ a)[0, 0].item(), rounds) / 1e9
+
+
+def tiny_twin(config):
+    """A randomly initialised model with `config`'s layers, heads and operators but tiny widths: a
+    forward pass runs the same Python and launches the same operators while reading and computing
+    almost nothing, so its time is the fixed cost of a step."""
+    from transformers import AutoModelForCausalLM
+
+    small = dict(config.to_dict(), hidden_size=4 * config.num_attention_heads, head_dim=4, intermediate_size=8,
+                 vocab_size=256)  # the same layers, query and KV heads
+    small_config = type(config).from_dict(small)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(small_config).eval()
+
+
+@torch.no_grad()
+def time_decode_step(model, batch: int, context: int, rounds: int = 5) -> float:
+    """Seconds of one decode step of `batch` sequences whose new token attends to `context`
+    positions (a prefill of `context - 1` tokens first, through transformers' DynamicCache): the
+    fastest of `rounds` steps, each one cropped off the cache again."""
+    from transformers import DynamicCache
+
+    check_positive_int("batch", batch)
+    if not isinstance(context, int) or context < 2:
+        raise ValueError(f"context must be an int >= 2 (a prefill, then the timed token), got {context!r}.")
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.full((batch, context - 1), 5, device=model.device), cache=cache, use_cache=True)
+    new = torch.full((batch, 1), 7, device=model.device)
+
+    def step():
+        model(input_ids=new, cache=cache, use_cache=True)
+        cache.crop(-1)
+    return _best_seconds(step, rounds)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """time = fixed_s + per_seq_s * batch: the least-squares line through measured decode steps."""
+
+    fixed_s: float
+    per_seq_s: float
+
+    def seconds(self, batch: int) -> float:
+        return self.fixed_s + self.per_seq_s * batch
+
+    def tokens_per_s(self, batch: int) -> float:
+        """Decode throughput: one token per sequence per step."""
+        return batch / self.seconds(batch)
+
+    def __repr__(self) -> str:
+        return f"StepCost({self.fixed_s * 1e3:.1f} ms per step + {self.per_seq_s * 1e3:.2f} ms per sequence)"
+
+
+def fit_step_cost(seconds_by_batch: dict[int, float]) -> StepCost:
+    """Fit `time = fixed + per_seq * batch` by least squares to {batch: seconds of one step}
+    (at least two different batch sizes)."""
+    if not isinstance(seconds_by_batch, dict) or len(seconds_by_batch) < 2:
+        raise ValueError("give the step time of at least two different batch sizes, as {batch: seconds}.")
+    xs, ys = list(seconds_by_batch), list(seconds_by_batch.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return StepCost(my - slope * mx, slope)

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from kvlearn.decoding import weight_bytes
+
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
     "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
@@ -94,13 +96,6 @@ def throughput_by_batch(runner, prompts, batch_sizes, steps: int = 4, repeats: i
         for b in batch_sizes:
             best[b] = max(best[b], decode_tokens_per_s(runner, prompts[:b], steps, packed=True))
     return best
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the weights one forward multiplies by: every linear layer, the LM head included
-    (a tied embedding is read through the LM head; the embedding rows and norms are negligible)."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
 
 
 def step_efficiency(model, prompts, fast: bool = False, rounds: int = 6) -> dict:

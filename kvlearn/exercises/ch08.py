@@ -1,63 +1,93 @@
-"""Chapter 8 exercises: choose a write policy by measuring it, and predict which nodes demote."""
+"""Chapter 8 exercises: what a host tier keeps under each write policy, and what a crash leaves
+on disk. Both serve the same five prompts, A to E, through a small TieredRadixCache."""
+
+import tempfile
+
+import torch
 
 from kvlearn.exercises import report
 
-# Exercise 1's workload: two conversations of three turns (token ids), served round by round in a
-# device pool that holds them all: nothing is ever evicted.
-EXERCISE_ROUNDS = ([[1] * 20 + [2] * 10, [3] * 20 + [4] * 10],
-                   [[1] * 20 + [2] * 10 + [5] * 8, [3] * 20 + [4] * 10 + [6] * 8],
-                   [[1] * 20 + [2] * 10 + [5] * 8 + [7] * 8, [3] * 20 + [4] * 10 + [6] * 8 + [8] * 8])
-EXERCISE_SLOTS, EXERCISE_HOST_SLOTS = 512, 512
+POLICIES = ("write_back", "write_through")
+
+# Five prompts of 4 tokens that share nothing, served one after the other; each stays in the
+# cache after it is served (as a finished request's KV does in chapter 6).
+PROMPTS = {name: [10 * i + t for t in range(1, 5)] for i, name in enumerate("ABCDE", start=1)}
+DEVICE_SLOTS = HOST_SLOTS = 8   # two prompts each
+PAGE_TOKENS = 4                 # a disk page is one whole prompt
 
 
-def measure(write_policy: str) -> dict:
-    """The stats of EXERCISE_ROUNDS under one write policy (with kvlearn.tiers.simulate)."""
-    from kvlearn.tiers.simulate import simulate_tiers
-
-    return simulate_tiers(EXERCISE_ROUNDS, EXERCISE_SLOTS, EXERCISE_HOST_SLOTS, write_policy, max_new_tokens=4)
-
-
-def check_write_policy(choice, offloaded: dict) -> bool:
-    """Exercise 1: `offloaded` = {policy: offloaded_tokens measured with `measure`}, `choice` the
-    policy you would run for this workload."""
-    want = {p: measure(p)["offloaded_tokens"] for p in ("write_back", "write_through")}
-    if not isinstance(offloaded, dict) or offloaded != want:
-        return report(False, "measure both policies with ch08.measure(policy)['offloaded_tokens'] and pass "
-                             "them as {'write_back': ..., 'write_through': ...}.")
-    if choice != "write_back":
-        return report(False, "the pool never evicts here: which policy copies KV that is never needed below?")
-    return report(True, "")
-
-
-def exercise_tree():
-    """Exercise 2's tree: a device pool of 16 slots with a host tier, three prompts inserted."""
+def serve(write_policy: str, disk_dir=None):
+    """Serve PROMPTS in order on a device pool of DEVICE_SLOTS with a host pool of HOST_SLOTS (and a
+    disk store in `disk_dir`, if given): each prompt takes fresh slots, evicting what it must, and
+    is inserted into the tree. Returns the tree."""
     from kvlearn.pool import KVPool
+    from kvlearn.tiers.disk import DiskStore
     from kvlearn.tiers.host import host_pool_for
     from kvlearn.tiers.tree import TieredRadixCache
 
-    pool = KVPool(1, 1, 1, 16)
-    tree = TieredRadixCache(pool, host_pool_for(pool, 16))
-    for key in ([1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9], [1, 2, 3, 4]):  # the last one touches #1 again
-        slots = pool.alloc(len(key))
-        pool.free(slots[:tree.insert(key, slots)])  # our copies of tokens the tree already had
+    device = KVPool(1, 1, 1, DEVICE_SLOTS)
+    disk = DiskStore(disk_dir, "ch08", torch.float32, (1, 1, 1), page_tokens=PAGE_TOKENS) if disk_dir else None
+    tree = TieredRadixCache(device, host_pool_for(device, HOST_SLOTS), disk, write_policy=write_policy)
+    for key in PROMPTS.values():
+        if device.num_free < len(key):
+            tree.evict(len(key) - device.num_free)
+        slots = device.alloc(len(key))
+        device.kv[0, :, slots] = torch.tensor(key, dtype=torch.float32).view(1, -1, 1, 1)  # a token's "KV": its id
+        tree.insert(key, slots)
     return tree
 
 
-def check_demotions(answer) -> bool:
-    """Exercise 2: `answer` = the node ids that `exercise_tree().evict(5)` moves to the host, in order."""
-    tree = exercise_tree()
-    before = {n.id for n in tree.nodes() if "device" in tree.tiers(n)}
-    order = []
-    original = tree.evict_node
+def kept_in_memory(write_policy: str) -> set[str]:
+    """The prompts whose whole KV is still in the tree (on the device or on the host) after `serve`."""
+    tree = serve(write_policy)
+    return {name for name, key in PROMPTS.items() if tree.match_len(key) == len(key)}
 
-    def spy(node):
-        order.append(node.id)
-        return original(node)
 
-    tree.evict_node = spy
-    tree.evict(5)
-    assert before >= set(order)
-    if not isinstance(answer, (list, tuple)) or list(answer) != order:  # a stub (...) is "Not yet" too
-        return report(False, "only nodes none of whose children is on the device are candidates, least "
-                             "recently used first (t= in tiers_text); a parent joins once its children left.")
+def on_disk_after_crash(write_policy: str) -> set[str]:
+    """The prompts a new process finds on disk after `serve` with a disk, ended by a crash (no
+    flush, no clean exit): whatever was written to the folder by then."""
+    from kvlearn.pool import KVPool
+    from kvlearn.tiers.disk import DiskStore
+    from kvlearn.tiers.tree import TieredRadixCache
+
+    with tempfile.TemporaryDirectory() as folder:
+        serve(write_policy, folder)  # ... and the process dies here
+        fresh = TieredRadixCache(KVPool(1, 1, 1, DEVICE_SLOTS),
+                                 disk=DiskStore(folder, "ch08", torch.float32, (1, 1, 1), page_tokens=PAGE_TOKENS))
+        return {name for name, key in PROMPTS.items() if fresh.reachable_len(key) == len(key)}
+
+
+def _check_per_policy(answer, truth, hints: dict) -> bool:
+    """Compare {policy: prompt names} with `truth(policy)` for each policy, in the order of `hints`
+    (policy -> the hint for a wrong answer there)."""
+    try:
+        got = {p: {str(n).upper() for n in answer[p]} for p in POLICIES} if set(answer) == set(POLICIES) else None
+    except TypeError:  # not a dict of iterables: a stub (`...`, None) or a number
+        got = None
+    if got is None:
+        return report(False, "answer with a dict {'write_back': {...}, 'write_through': {...}} of prompt names "
+                             "such as 'A'.")
+    for policy, hint in hints.items():
+        if got[policy] != truth(policy):
+            return report(False, f"{policy}: {hint}")
     return report(True, "")
+
+
+def check_host_keeps(answer) -> bool:
+    """Exercise 1: `answer` = {"write_back": prompts, "write_through": prompts}: the prompts of
+    PROMPTS whose KV is still cached (device or host) after `serve(policy)`, no disk."""
+    return _check_per_policy(answer, kept_in_memory, {
+        "write_back": "follow the device's evictions (least recently used first): where does each evicted "
+                      "prompt go, and what must the host drop once it is full?",
+        "write_through": "every prompt is copied to the host when it is inserted, so what do the host's slots "
+                         "hold while that prompt is still on the device?"})
+
+
+def check_crash_survivors(answer) -> bool:
+    """Exercise 2: `answer` = {"write_back": prompts, "write_through": prompts}: the prompts a new
+    process finds on disk after `serve(policy, disk_dir)` ends in a crash."""
+    return _check_per_policy(answer, on_disk_after_crash, {
+        "write_through": "when is a prompt's page written to disk, and can a crash come between its insert "
+                         "and that write?",
+        "write_back": "it writes a page down only when its node leaves memory altogether: which prompts left "
+                      "the host before the crash?"})

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import time
 from pathlib import Path
 
 from kvlearn.workshop.course import chapter_notebooks, run_notebook
@@ -28,21 +27,6 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def plain_read_gb_s(nbytes: int = 256 * 2 ** 20, rounds: int = 5) -> float:
-    """Best bandwidth of a plain `sum` over `nbytes` of float32 (the memory, not a cache, for the
-    default size): what any weight-reading step is measured against."""
-    import torch
-
-    block = torch.ones(nbytes // 4, dtype=torch.float32)
-    block.sum().item()  # touched before timing
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        block.sum().item()
-        best = min(best, time.perf_counter() - start)
-    return round(nbytes / best / 1e9, 1)
-
-
 def quiet(load: float, cores: int | None = None) -> bool:
     return load <= MAX_LOAD_PER_CORE * (cores or os.cpu_count() or 1)
 
@@ -51,8 +35,10 @@ def record(path: Path, timeout: int = 600) -> str:
     """Execute one notebook and write it back with its record; returns what happened, in a line."""
     import nbformat
 
+    from kvlearn.decoding import plain_read_gb_s
+
     nb = nbformat.read(path, as_version=4)
-    cores, before, bandwidth = os.cpu_count(), load_average(), plain_read_gb_s()
+    cores, before, bandwidth = os.cpu_count(), load_average(), round(plain_read_gb_s(), 1)
     if not quiet(before, cores):
         return f"{path.name}: not run, load {before} on {cores} cores (above {MAX_LOAD_PER_CORE} per core): wait for a quiet machine"
     run = run_notebook(path, timeout, nb=nb)
