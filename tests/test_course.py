@@ -1,5 +1,6 @@
 """`python -m kvlearn course`: each notebook in a fresh kernel, failures named, nothing written back."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -9,6 +10,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from kvlearn.workshop import course
 from kvlearn.__main__ import main
 from kvlearn.exercises import NOT_YET, OK
+from kvlearn.exercises.parts import gather_parts
+from tests.test_capstone import stand_in
 
 
 def write(folder: Path, name: str, *sources: str) -> Path:
@@ -51,6 +54,7 @@ def test_cli_prints_the_summary_and_fails_when_a_chapter_fails(toy_course, capsy
     assert main(["course", "--notebooks", str(toy_course)]) == 1
     out = capsys.readouterr().out
     assert "01_fresh" in out and "PASS" in out and "FAIL cell 3" in out
+    assert "block_table    1        missing" in out and out.rstrip().endswith("0 of 6 parts pass")
     good = toy_course / "good"
     good.mkdir()
     write(good, "00_ok.ipynb", "print(1 + 1)")
@@ -68,13 +72,26 @@ def test_guide_table_is_replaced_between_the_markers(toy_course, tmp_path):
     guide = tmp_path / "guide.md"
     guide.write_text(f"# Guide\n\nbefore\n{begin}\nold table\n{end}\nafter\n")
     runs = course.run_course(course.chapter_notebooks(toy_course)[1:2], progress=False)
-    course.write_guide(guide, runs)
+    parts = gather_parts(toy_course / "my_parts")
+    course.write_guide(guide, runs, parts)
     text = guide.read_text()
     assert "old table" not in text and text.startswith("# Guide\n\nbefore\n") and text.endswith(f"{end}\nafter\n")
     assert "| 01_fresh |" in text and "`make course`" in text
+    assert "| part | chapter | verdict | what check said |" in text and f"0 of 6 parts pass\n{end}" in text
     guide.write_text("no markers here")
     with pytest.raises(ValueError, match="course-times"):
-        course.write_guide(guide, runs)
+        course.write_guide(guide, runs, parts)
+
+
+def test_the_course_reports_per_part_what_the_chapters_saved(tmp_path, capsys):
+    """A chapter's %%part cell saves my_parts/NAME.py beside the notebooks; the course checks each part."""
+    write(tmp_path, "04_pool.ipynb", "%load_ext kvlearn.exercises.parts",
+          "%%part allocator\n" + stand_in("allocator"), "%%part radix_cache\nclass MyRadixCache:\n    pass")
+    assert main(["course", "--notebooks", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1/1 PASS" in out and out.rstrip().endswith("1 of 6 parts pass")
+    assert re.search(r"allocator +4 +yours +MyAllocator meets the allocator contract", out)
+    assert re.search(r"radix_cache +3 +fails check +MyRadixCache lacks", out)
 
 
 def test_a_folder_without_chapters_says_what_to_pass(tmp_path):
@@ -89,7 +106,9 @@ def test_student_copies_run_top_to_bottom_and_no_exercise_is_solved(tmp_path):
 
     runs = course.run_course(write_student_copies(course.NOTEBOOKS, tmp_path / "student"), progress=False)
     assert [r.error for r in runs] == [""] * len(runs) and all(r.passed for r in runs)
-    assert all(r.exercises >= 2 and r.solved == 0 for r in runs), course.table(runs)  # chapters 7-8 have 2
+    chapters = [r for r in runs if r.notebook != "09_your_engine"]   # the capstone has no exercise of its own
+    assert all(r.exercises >= 2 and r.solved == 0 for r in chapters), course.table(runs)  # chapters 7-8 have 2
+    assert not any(r.verdict == "yours" for r in gather_parts(tmp_path / "student" / "my_parts"))  # skeletons
 
 
 def test_the_guide_has_measured_times_for_exactly_the_chapters_there_are():

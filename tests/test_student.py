@@ -202,3 +202,62 @@ def test_a_student_copy_with_a_build_exercise_runs_top_to_bottom(copies, chapter
     shown = json.dumps([c.outputs for c in nb.cells if c.cell_type == "code"])
     assert "(using the package's" in shown
     assert (tmp_path / "my_parts" / f"{part}.py").read_text().startswith("import torch")
+
+
+BUILD_CELL = f'''%%part allocator
+import torch
+
+from kvlearn import KVCapacityError
+from kvlearn.parts import AllocatorBase
+
+
+class MyAllocator(AllocatorBase):
+    """A Python list as the stack of free pages, its top at the end."""
+
+    def __init__(self, num_pages, device=None):
+        super().__init__(num_pages, device)
+        {BEGIN}
+        self.stack = list(range(num_pages - 1, -1, -1))
+        {END}
+
+    @property
+    def free_pages(self):
+        {BEGIN}
+        return self.stack[::-1]
+        {END}
+
+    def alloc(self, n):
+        """n pages off the free list, as an int64 tensor; KVCapacityError when fewer are free."""
+        {BEGIN}
+        if n > len(self.stack):
+            raise KVCapacityError(f"{{n}} pages asked for, {{len(self.stack)}} free")
+        taken = self.stack[len(self.stack) - n:][::-1]
+        del self.stack[len(self.stack) - n:]
+        return torch.tensor(taken, dtype=torch.int64, device=self.device)
+        {END}
+
+    def free(self, pages):
+        {BEGIN}
+        pages = pages.tolist()
+        if len(set(pages)) != len(pages) or set(pages) & set(self.stack):
+            raise ValueError("double free")
+        self.stack.extend(pages[::-1])
+        {END}'''
+
+
+def test_a_build_exercise_becomes_a_skeleton_that_says_not_yet(tmp_path, capsys):
+    """A `%%part` cell whose methods hold the solution: the student copy keeps the magic line, the
+    signatures and docstrings; its saved module imports, and its check says "Not yet"."""
+    from kvlearn.exercises.parts import check_part, save_part
+
+    (cell,) = student_copy(_notebook(BUILD_CELL)).cells
+    assert cell.source.startswith("%%part allocator\n") and BEGIN not in cell.source
+    assert cell.source.count("        ...  # your code here") == 4 and "self.stack" not in cell.source
+    assert '"""n pages off the free list' in cell.source and "    def free(self, pages):" in cell.source
+    for source, verdict in ((BUILD_CELL, OK), (cell.source, NOT_YET)):
+        name, _, body = source.partition("\n")
+        path = save_part(name.split()[1], body, tmp_path / "my_parts")
+        namespace = {}
+        exec(compile(path.read_text(), str(path), "exec"), namespace)   # what the magic runs
+        assert check_part("allocator", namespace["MyAllocator"]) is (verdict == OK)
+        assert capsys.readouterr().out.startswith(verdict)

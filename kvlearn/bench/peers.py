@@ -25,7 +25,8 @@ from kvlearn.serving.workloads import Workload
 KVLEARN_SYSTEMS = ("radix", "blocks", "none")
 HF_SYSTEMS = ("hf", "hf-cb")
 LABELS = {"radix": "kvlearn radix", "blocks": "kvlearn blocks", "none": "kvlearn no cache",
-          "hf": "HF generate (1 at a time)", "hf-cb": "HF continuous batching", "vllm": "vLLM CPU"}
+          "hf": "HF generate (1 at a time)", "hf-cb": "HF continuous batching", "vllm": "vLLM CPU",
+          "yours-radix": "your parts, radix", "yours-blocks": "your parts, blocks"}   # chapter 9's engines
 # Hugging Face continuous batching settings that make it share prefixes on CPU (DESIGN.md).
 HF_CB_SETTINGS = dict(page_size=16, num_blocks=512, max_batch_tokens=512)
 
@@ -61,12 +62,18 @@ def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens
 
     num_slots = num_slots or slots_without_sharing(workload.prompts, max_new_tokens)
     engine = Engine(model, tokenizer, cache=cache, num_slots=num_slots, schedule=schedule, fast=fast)
+    return run_engine(engine, workload, max_new_tokens, cache, progress), engine
+
+
+def run_engine(engine, workload: Workload, max_new_tokens: int, system: str, progress: bool = False) -> SystemResult:
+    """Serve the workload on an engine already built (its parts, its pool) and time the serving only;
+    `system` names the row (a key of LABELS)."""
     start = time.perf_counter()
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=progress)
     wall = time.perf_counter() - start
     s = engine.stats
-    return SystemResult(cache, [o.token_ids for o in outputs], wall, s["computed_prefill_tokens"],
-                        s["hit_rate"], s["peak_slots"]), engine
+    return SystemResult(system, [o.token_ids for o in outputs], wall, s["computed_prefill_tokens"],
+                        s["hit_rate"], s["peak_slots"])
 
 
 def run_hf_generate(model, workload: Workload, max_new_tokens: int, progress: bool = False) -> SystemResult:

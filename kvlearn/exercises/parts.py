@@ -11,22 +11,38 @@ import MyBlockTable`).
 - `use(name, impl)` is the part the chapter then drives: yours once `check_part` passed it, else the
   package's, saying so, so a student copy runs top to bottom before the exercise is done;
 - `earlier_part(name, attr)` is what a later part grows from (chapter 2's `class
-  MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read from
+  MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read afresh from
   my_parts/NAME.py, once it passes `kvlearn.parts.check`, else the package's, saying so, so the later
-  exercise can be written and checked before the earlier one is done.
+  exercise can be written and checked before the earlier one is done;
+- `gather(folder)` (chapter 9) reads every saved part afresh, checks it again and returns the ones
+  that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make course` prints
+  the same table for the folder the chapters wrote).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK
 
 FOLDER = "my_parts"
 _passed: dict[str, object] = {}   # part name -> the impl that last passed check_part
+
+# The build exercises in course order: part name -> (chapter, the name its %%part cell defines).
+BUILD = {
+    "block_table": (1, "MyBlockTable"),
+    "block_manager": (2, "MyBlockManager"),
+    "radix_cache": (3, "MyRadixCache"),
+    "allocator": (4, "MyAllocator"),
+    "attention": (5, "my_paged_attention"),
+    "scheduler": (6, "MyScheduler"),
+}
 
 
 def part_path(name: str, folder: str | Path = FOLDER) -> Path:
@@ -95,26 +111,130 @@ def use(name: str, impl):
 
 def earlier_part(name: str, attr: str, folder: str | Path = FOLDER):
     """`attr` of your part `name` as saved in `folder/name.py`, if it passes `kvlearn.parts.check`;
-    else the package's part `kvlearn.parts.PARTS[name]`. Says which, in one line. The file is read
-    afresh on every call, so an edited and re-run earlier cell counts."""
-    from kvlearn.parts import PARTS, check
+    else the package's part `kvlearn.parts.PARTS[name]`. Says which, in one line."""
+    from kvlearn.parts import PARTS
+
+    row = _gather_one(name, BUILD[name][0], attr, Path(folder))
+    if row.verdict == "yours":
+        print(f"(building on your {attr} from {folder}/{name}.py: it passes check_part({name!r}, ...))")
+        return row.impl
+    package = PARTS[name]
+    print(f"(building on the package's {package.__name__}: {row.note})")
+    return package
+
+
+# --- chapter 9: gather the parts ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gathered:
+    """One part as `gather_parts` found it. `verdict`: "yours" (it passed `kvlearn.parts.check`),
+    "missing" (no module), "fails check" (the module does not import, lacks the name, or fails the
+    check) or "not checked" (kvlearn.parts has no check for it); `note`: why, in one line;
+    `impl`: the learner's class or function once imported (None otherwise)."""
+
+    name: str
+    chapter: int
+    verdict: str
+    note: str
+    impl: object = None
+
+
+def gather_parts(folder: str | Path = FOLDER) -> list[Gathered]:
+    """Import every part of BUILD from `folder` (my_parts/NAME.py, read afresh: edits since the last
+    import count) and check it; one row per part, in course order. A part's module may import an
+    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`)."""
+    folder = Path(folder)
+    _fresh_package(folder)
+    return [_gather_one(name, chapter, attribute, folder) for name, (chapter, attribute) in BUILD.items()]
+
+
+def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
+    """The rows as aligned text (or a markdown table), then "N of M parts pass"."""
+    header = ("part", "chapter", "verdict", "what check said")
+    cells = [(r.name, str(r.chapter), r.verdict, r.note) for r in rows]
+    summary = f"{sum(r.verdict == 'yours' for r in rows)} of {len(rows)} parts pass"
+    if markdown:
+        lines = [header, ("---",) * len(header), *((*row[:-1], row[-1].replace("|", "\\|")) for row in cells)]
+        return "\n".join("| " + " | ".join(row) + " |" for row in lines) + f"\n\n{summary}"
+    widths = [max(len(row[i]) for row in (header, *cells)) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]).rstrip()
+                     for row in (header, *cells)) + f"\n{summary}"
+
+
+def gather(folder: str | Path = FOLDER) -> dict:
+    """Your parts for the engine: print the table of `gather_parts(folder)` and return {part name:
+    your class or function} for the engine's parts that pass (`kvlearn.serving.config.PART_MODES`);
+    a part left out is the package's own (said)."""
+    from kvlearn.serving.config import PART_MODES
+
+    rows = gather_parts(folder)
+    print(parts_table(rows))
+    engine = {r.name: r.impl for r in rows if r.verdict == "yours" and r.name in PART_MODES}
+    package = [name for name in PART_MODES if name not in engine]
+    if package:
+        print(f"The engine uses the package's {', '.join(package)}.")
+    if any(r.verdict == "fails check" for r in rows):
+        print("A part that fails: its chapter's check_part cell prints the whole report, with a smallest example.")
+    return engine
+
+
+def parts_for(cache: str, parts: dict) -> dict:
+    """The parts among `parts` that an engine with this cache mode serves with (a radix engine has
+    no block manager, a blocks engine no radix tree)."""
+    from kvlearn.serving.config import PART_MODES
+
+    return {name: impl for name, impl in parts.items() if cache in PART_MODES[name]}
+
+
+def _fresh_package(folder: Path) -> None:
+    """Make `folder` the package named after it, forgetting every module of it imported before."""
+    package = folder.name
+    if not package.isidentifier():
+        raise ValueError(f"{folder}: the parts folder's name must be a Python identifier, such as my_parts.")
+    for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+        del sys.modules[key]
+    spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+    spec.submodule_search_locations = [str(folder.resolve())]
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+
+
+def _import_part(folder: Path, name: str):
+    """Import folder/name.py as the module `<folder name>.<name>`, compiled from its text (never from a
+    cached .pyc, which a cell saved twice within a second could leave stale)."""
+    path = part_path(name, folder)
+    spec = importlib.util.spec_from_file_location(f"{folder.name}.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), vars(module))
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return module
+
+
+def _gather_one(name: str, chapter: int, attribute: str, folder: Path) -> Gathered:
+    from kvlearn.parts import check
 
     path = part_path(name, folder)
-    if not path.exists():
-        reason = f"{path} is not there yet (run the %%part {name} cell)"
-    else:
-        try:
-            spec = importlib.util.spec_from_file_location(f"{FOLDER}.{name}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            impl = getattr(module, attr)
-        except Exception as error:   # the learner's module: say what went wrong, never raise
-            reason = f"importing {attr} from {path} raised {type(error).__name__}: {error}"
-        else:
-            if check(name, impl).passed:
-                print(f"(building on your {attr} from {path}: it passes check_part({name!r}, ...))")
-                return impl
-            reason = f"your {attr} does not pass check_part({name!r}, ...) yet"
-    package = PARTS[name]
-    print(f"(building on the package's {package.__name__}: {reason})")
-    return package
+    if not path.is_file():
+        return Gathered(name, chapter, "missing", f"no {folder.name}/{path.name}: run chapter {chapter}'s "
+                                                  f"%%part {name} cell")
+    try:
+        module = _import_part(folder, name)
+    except Exception as error:   # a learner's module may fail in any way: say how
+        where = (f" ({Path(error.filename).name}, line {error.lineno})"
+                 if isinstance(error, SyntaxError) and error.filename else "")
+        return Gathered(name, chapter, "fails check", f"importing {path.name} raised {type(error).__name__}: "
+                                                      f"{getattr(error, 'msg', error)}{where}")
+    impl = getattr(module, attribute, None)
+    if impl is None:
+        return Gathered(name, chapter, "fails check", f"{path.name} defines no {attribute}")
+    try:
+        report = check(name, impl)
+    except ValueError as error:   # check raises only for a part name it has no suite for
+        if not str(error).startswith("Unknown part"):
+            raise
+        return Gathered(name, chapter, "not checked", f"kvlearn.parts has no check for {name!r} yet", impl)
+    first = report.message.splitlines()[0].removeprefix(NOT_YET).strip()
+    return Gathered(name, chapter, "yours" if report.passed else "fails check", first, impl)

@@ -3,9 +3,11 @@
 Every chapter notebook is executed top to bottom in its own fresh kernel, in order, with a progress
 bar over all code cells. Nothing is written back to the notebooks. The summary gives, per chapter,
 the wall time, the cells run, the exercises the checkers accepted, the slowest cell, and PASS or
-FAIL (FAIL names the cell and the error, or the timeout; the next chapter still runs). `--guide FILE`
-writes the same table, as markdown, between the course-times markers of the instructor guide; every
-argument is checked before the first kernel starts.
+FAIL (FAIL names the cell and the error, or the timeout; the next chapter still runs). Then it gathers the
+parts the chapters' build exercises saved (`my_parts/` beside the notebooks) and prints, per part,
+whether it passes its check ("4 of 6 parts pass"). `--guide FILE` writes both tables, as markdown,
+between the course-times markers of the instructor guide; every argument is checked before the
+first kernel starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK
+from kvlearn.exercises.parts import FOLDER, Gathered, gather_parts, parts_table
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"  # kvlearn/workshop/ -> the repository
 GUIDE_MARKERS = ("<!-- course-times: begin -->", "<!-- course-times: end -->")
@@ -131,13 +134,15 @@ def table(runs: list[ChapterRun], markdown: bool = False) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows))
 
 
-def write_guide(guide: Path, runs: list[ChapterRun]) -> None:
-    """Replace the table between the guide's course-times markers with this run's."""
+def write_guide(guide: Path, runs: list[ChapterRun], parts: list[Gathered]) -> None:
+    """Replace the tables between the guide's course-times markers with this run's."""
     begin, end = GUIDE_MARKERS
     text = guide_text(guide)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     block = (f"{begin}\nMeasured {datetime.date.today()} on {machine} with `make course` "
-             f"(model already converted):\n\n{table(runs, markdown=True)}\n{end}")
+             f"(model already converted):\n\n{table(runs, markdown=True)}\n\n"
+             f"The build exercises' parts, as the run left them in `{FOLDER}/`:\n\n"
+             f"{parts_table(parts, markdown=True)}\n{end}")
     guide.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S))
 
 
@@ -168,7 +173,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     runs = run_course(paths, args.timeout)
     print("\n" + table(runs))
+    parts = gather_parts(Path(args.notebooks) / FOLDER)   # where the chapters' %%part cells saved them
+    print("\n" + parts_table(parts))
     if args.guide:
-        write_guide(args.guide, runs)
+        write_guide(args.guide, runs, parts)
         print(f"\ntimings written to {args.guide}")
     return 0 if all(r.passed for r in runs) else 1

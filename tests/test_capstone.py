@@ -1,0 +1,179 @@
+"""Chapter 9: `gather` finds the learner's parts in my_parts/, and the capstone serves the model with them.
+
+The parts modules are made the way a `%%part` cell makes them (`save_part`): from the instructor
+notebooks' build-exercise cells, and, for a part whose chapter has no such cell, from the correct
+parts written outside the package in tests/test_parts.py.
+"""
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlearn.exercises import NOT_YET
+from kvlearn.exercises import parts as exercise_parts
+from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_table, save_part
+from tests import test_parts
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+CAPSTONE = "09_your_engine.ipynb"
+HEADER = ("import torch\n\nfrom kvlearn import KVCapacityError, Sequence\n"
+          "from kvlearn.parts import AllocatorBase, BlockManagerBase, RadixCacheBase\n"
+          "from kvlearn.radix import MatchResult\n\n\n")
+
+
+def stand_in(name: str, class_name: str | None = None) -> str:
+    """A module holding tests/test_parts.py's correct part `name`, its class named `class_name`."""
+    source = inspect.getsource(test_parts.MINE[name])
+    if class_name:
+        source = re.sub(r"^class \w+", f"class {class_name}", source)
+    return HEADER + source
+
+
+def part_cells(folder: Path = NOTEBOOKS) -> dict[str, str]:
+    """Every `%%part NAME` cell of the instructor notebooks: NAME -> the cell's code (what the magic saves)."""
+    cells = {}
+    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            first, _, body = cell.source.partition("\n")
+            if cell.cell_type == "code" and first.startswith("%%part "):
+                cells[first.split()[1]] = body
+    return cells
+
+
+def solutions(folder: Path) -> set[str]:
+    """Write the instructor solutions as my_parts/ modules in `folder`; returns the parts written."""
+    modules = {name: stand_in(name) for name in test_parts.MINE} | part_cells()
+    for name, source in modules.items():
+        save_part(name, source, folder / "my_parts")
+    return set(modules)
+
+
+# --- gather ------------------------------------------------------------------------------------
+
+def test_gather_says_what_is_yours_missing_or_failing(tmp_path, capsys):
+    folder = tmp_path / "my_parts"
+    save_part("allocator", stand_in("allocator"), folder)
+    save_part("radix_cache", "class MyRadixCache:\n    pass", folder)
+    save_part("block_manager", "from my_parts.block_table import MyBlockTable\n\n\n"
+                               "class MyBlockManager(MyBlockTable):\n    pass", folder)
+    save_part("attention", "def my_paged_attention(:\n    pass", folder)
+    save_part("scheduler", "class Scheduler:\n    pass", folder)
+
+    parts = gather(folder)
+    out = capsys.readouterr().out
+    assert parts == {"allocator": sys.modules["my_parts.allocator"].MyAllocator}
+    rows = {r.name: r for r in gather_parts(folder)}
+    assert list(rows) == list(BUILD) == ["block_table", "block_manager", "radix_cache", "allocator",
+                                         "attention", "scheduler"]
+    assert {name: r.verdict for name, r in rows.items()} == {
+        "block_table": "missing", "block_manager": "fails check", "radix_cache": "fails check",
+        "allocator": "yours", "attention": "fails check", "scheduler": "fails check"}
+    assert rows["block_table"].note == "no my_parts/block_table.py: run chapter 1's %%part block_table cell"
+    assert "ModuleNotFoundError: No module named 'my_parts.block_table'" in rows["block_manager"].note
+    assert rows["radix_cache"].note.startswith("MyRadixCache lacks ") and "match_prefix" in rows["radix_cache"].note
+    assert "SyntaxError" in rows["attention"].note and "(attention.py, line 1)" in rows["attention"].note
+    assert rows["scheduler"].note == "scheduler.py defines no MyScheduler"
+    assert "meets the allocator contract" in rows["allocator"].note
+    assert "1 of 6 parts pass" in out and "The engine uses the package's block_manager, radix_cache" in out
+    assert NOT_YET not in out   # the course counts "Not yet:" as an exercise's verdict: the table is none
+    assert out.count("\n") == 1 + 6 + 3
+    assert capsys.readouterr().out == ""
+    gather(folder)
+    assert capsys.readouterr().out == out   # the same table every time (nbval)
+
+
+def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(tmp_path, capsys):
+    folder = tmp_path / "my_parts"
+    save_part("block_table", stand_in("block_manager", "MyBlockTable"), folder)
+    save_part("block_manager", "from my_parts.block_table import MyBlockTable\n\n\n"
+                               "class MyBlockManager(MyBlockTable):\n    pass", folder)
+    save_part("radix_cache", stand_in("radix_cache"), folder)
+    save_part("allocator", stand_in("allocator"), folder)
+    parts = gather(folder)
+    assert {name: cls.__name__ for name, cls in parts.items()} == {
+        "block_manager": "MyBlockManager", "radix_cache": "MyRadixCache", "allocator": "MyAllocator"}
+    assert parts["block_manager"].__mro__[1].__module__ == "my_parts.block_table"
+    assert parts_for("radix", parts) == {"radix_cache": parts["radix_cache"], "allocator": parts["allocator"]}
+    assert parts_for("blocks", parts) == {"block_manager": parts["block_manager"], "allocator": parts["allocator"]}
+    assert parts_for("none", parts) == {"allocator": parts["allocator"]}
+
+
+def test_gather_reads_the_files_afresh(tmp_path, capsys):
+    folder = tmp_path / "my_parts"
+    save_part("allocator", "class MyAllocator:\n    pass", folder)
+    assert gather(folder) == {}
+    save_part("allocator", stand_in("allocator"), folder)   # the cell fixed and run again
+    assert list(gather(folder)) == ["allocator"]
+    other = tmp_path / "elsewhere" / "my_parts"              # another folder of the same name
+    save_part("allocator", "class MyAllocator:\n    pass", other)
+    assert gather(other) == {}
+    assert sys.modules["my_parts"].__path__ == [str(other.resolve())]
+
+
+def test_a_part_kvlearn_cannot_check_yet_is_not_used(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(exercise_parts, "BUILD", {"allocator": (4, "MyAllocator"), "widget": (7, "Widget")})
+    save_part("widget", "class Widget:\n    pass", tmp_path / "my_parts")
+    (widget,) = [r for r in gather_parts(tmp_path / "my_parts") if r.name == "widget"]
+    assert (widget.verdict, widget.note) == ("not checked", "kvlearn.parts has no check for 'widget' yet")
+    assert widget.impl.__name__ == "Widget"
+    assert gather(tmp_path / "my_parts") == {}
+    assert "0 of 2 parts pass" in capsys.readouterr().out
+
+
+def test_the_parts_table_as_markdown(tmp_path):
+    rows = gather_parts(tmp_path / "my_parts")   # no folder at all: every part is missing
+    lines = parts_table(rows, markdown=True).splitlines()
+    assert lines[0] == "| part | chapter | verdict | what check said |" and lines[1].startswith("| --- |")
+    assert lines[2].startswith("| block_table | 1 | missing | no my_parts/block_table.py")
+    assert lines[-1] == "0 of 6 parts pass"
+
+
+def test_a_folder_whose_name_is_not_a_package_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="identifier"):
+        gather_parts(tmp_path / "my-parts")
+
+
+# --- the capstone notebook -----------------------------------------------------------------------
+
+def test_the_capstone_has_no_solution_to_strip_and_opens_like_every_chapter():
+    nb = nbformat.read(NOTEBOOKS / CAPSTONE, as_version=4)
+    assert nb.cells[0].source.startswith("# Chapter 9")
+    assert "**By the end of this chapter you can**" in nb.cells[1].source and "```text" in nb.cells[1].source
+    assert "SOLUTION" not in "".join(c.source for c in nb.cells)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    for needed in ("gather()", 'cache="radix"', 'cache="blocks"', "hf.outputs", "unique_token_floor",
+                   "evict_all()", "table("):
+        assert needed in code, needed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parts", ["instructor solutions", "none written yet"])
+def test_the_student_capstone_serves_the_model(tmp_path, parts):
+    """The student copy of chapter 9 runs top to bottom: with every skeleton filled with the
+    instructor's solution, all of them pass and serve; with no part written, the package's serve."""
+    from kvlearn.workshop.course import run_notebook
+    from kvlearn.workshop.student import write_student_copies
+
+    student = tmp_path / "student"
+    write_student_copies(NOTEBOOKS, student)
+    written = solutions(student) if parts == "instructor solutions" else set()
+    nb = nbformat.read(student / CAPSTONE, as_version=4)
+    run = run_notebook(student / CAPSTONE, nb=nb)
+    assert run.passed, run.error
+    shown = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    verdicts = {r.name: r.verdict for r in gather_parts(student / "my_parts")}
+    assert {name for name, verdict in verdicts.items() if verdict != "missing"} == written
+    assert all(verdicts[name] in ("yours", "not checked") for name in written), verdicts
+    passing = sum(v == "yours" for v in verdicts.values())
+    assert f"{passing} of 6 parts pass" in shown
+    if written:
+        assert "radix tree: your MyRadixCache | page allocator: your MyAllocator" in shown
+        assert "block manager: your MyBlockManager | page allocator: your MyAllocator" in shown
+    else:
+        assert "radix tree: the package's RadixCache | page allocator: the package's PageAllocator" in shown
+    assert shown.count("same tokens as generate: True") == 2
+    assert shown.count("free slots after evict_all: 2048 of 2048") == 2
