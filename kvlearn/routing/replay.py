@@ -48,6 +48,9 @@ from kvlearn.routing.pooled import PrefixPool
 # nearly reach it.
 PAPER_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 PAPER_LOCAL_CACHE_TOKENS = 3_000_000
+# Its Figure 10: ten prefill nodes of 3M tokens each, one global (pooled) cache against local caches
+# with the paper's cache-aware scheduling: the pooled hit rate is this many times the local one.
+PAPER_POOLED_GAIN = {"conversation": 2.22, "synthetic": 2.36}
 # 1e4 .. 1e9 tokens: one a decade, and 3M (the paper's local cache) and 30M, where the curves bend
 FIGURE9_CAPACITIES = (10**4, 10**5, 10**6, PAPER_LOCAL_CACHE_TOKENS, 10**7, 3 * 10**7, 10**8, 10**9)
 
