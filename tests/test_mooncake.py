@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvlearn.radix import RadixCache
 from kvlearn.routing.cli import main as route
+from kvlearn.routing.policies import POLICIES
 from kvlearn.routing.mooncake import (MooncakeRequest, MooncakeTrace, is_mooncake, mooncake_trace_path,
                                       read_mooncake)
 from kvlearn.routing.replay import PAPER_CACHE_RATIO, figure9, replay, tail_bound
@@ -250,6 +251,26 @@ def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     unbounded = replay(read_mooncake(path), None)
     assert 0 < result["hit_rate"] <= unbounded.hit_rate + 1e-9   # a bounded pool with outputs in it hits less
     assert time.perf_counter() - start < 120
+
+
+@pytest.mark.slow   # seven fleets of ten replicas on 7M prompt tokens: about 20 s of CPU
+def test_route_pooled_beats_every_local_policy_on_a_slice(tmp_path, capsys):
+    with gzip.open(mooncake_trace_path("conversation"), "rt") as f:
+        head = [next(f) for _ in range(500)]
+    path = tmp_path / "slice.jsonl"
+    path.write_text("".join(head))
+    pages = 300   # 153,600 tokens a replica: the slice's longest request fits, and the caches evict
+    assert route(["--trace", str(path), "--replicas", "10", "--slots-per-replica", str(512 * pages), "--page-size",
+                  "512", "--max-batch-tokens", "16384", "--speedup", "20", "--policy", "all",
+                  "--pool-tokens", str(10 * 512 * pages), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    local, (pooled,) = rows[:-1], rows[-1:]
+    assert [r["policy"] for r in local] == list(POLICIES) and all(r["pool_tokens"] == 0 for r in local)
+    assert (pooled["policy"], pooled["pool_tokens"]) == ("least_load", 10 * 512 * pages)
+    assert {r["requests"] for r in rows} == {500} and {r["prompt_tokens"] for r in rows} == {rows[0]["prompt_tokens"]}
+    assert pooled["hit_rate"] >= max(r["hit_rate"] for r in local)
+    assert 0 < pooled["loaded_tokens"] <= pooled["cached_tokens"] and not any(r["loaded_tokens"] for r in local)
+    assert all(r["computed_prefill_tokens"] >= r["unique_token_floor"] for r in rows)
 
 
 def block_lru(trace: MooncakeTrace, capacity_tokens: int) -> float:

@@ -75,7 +75,7 @@ def routing_share(trace, replicas, slots):
     return (aware - rr) / (pooled - rr)
 
 
-@pytest.mark.slow   # six fleets of 300 requests: about 12 s
+@pytest.mark.slow   # six fleets of 200 requests: about 8 s
 def test_routing_share_checker(capsys):
     rr, aware, pooled = ch07._routing_share_reference(4, 3072)
     assert rr < aware < pooled                                 # routing recovers part of the pool's gain

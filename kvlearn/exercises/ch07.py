@@ -140,14 +140,14 @@ def _routing_share_reference(replicas: int, slots: int) -> tuple[float, float, f
 def _pooled_trace():
     from kvlearn.routing.traces import multi_tenant_trace
 
-    return multi_tenant_trace(600, num_tenants=32, output_tokens=(8, 48), rate=10, seed=0)[:300]
+    return multi_tenant_trace(600, num_tenants=32, output_tokens=(8, 48), rate=10, seed=0)[:200]
 
 
 def check_routing_share(routing_share) -> bool:
     """Exercise 4: `routing_share(trace, replicas, slots)` returns the share of a pooled cache's
     hit-rate gain over round robin that cache-aware routing on local caches recovers:
     (cache_aware - round_robin) / (pooled - round_robin), the pooled fleet being `least_load` with
-    `pool_tokens = replicas * slots`. Checked on the first 300 requests of chapter 7's section-4
+    `pool_tokens = replicas * slots`. Checked on the first 200 requests of chapter 7's section-4
     trace, 4 replicas of 3,072 slots, within 0.01."""
     replicas, slots = 4, 3072
     answer, error = attempt(routing_share, _pooled_trace(), replicas, slots)

@@ -35,6 +35,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -146,6 +147,25 @@ def figure9(names=tuple(BUNDLED), capacities=FIGURE9_CAPACITIES) -> dict[str, li
         trace = read_mooncake(mooncake_trace_path(name))
         curves[name] = hit_rate_curve(trace, tuple(capacities) + (None,))
     return curves
+
+
+FIGURE10_RESULTS = Path(__file__).parent / "data" / "figure10.json"
+
+
+def figure10_results() -> dict:
+    """The Mooncake paper's Figure 10 as kvlearn ran it, committed because the runs take minutes
+    (`data/figure10.json`): {"command": the `route` command, "runs": {trace: its `--json` rows}},
+    one row per local-cache policy, then the pooled fleet's (`pool_tokens` > 0).
+
+    What a pooled cache is worth over local caches depends on the router (hit rates; one LRU cache
+    of the fleet's 30M tokens that sees every request, for scale):
+
+        trace          round_robin  cache_aware  pooled (least_load)  one 30M cache   paper
+        conversation   10.7 %       35.9 %       36.6 % (3.44x, 1.02x)  36.6 %        2.22x
+        synthetic      17.1 %       64.7 %       65.0 % (3.79x, 1.00x)  65.0 %        2.36x
+
+    See chapter 7, section 10."""
+    return json.loads(FIGURE10_RESULTS.read_text(encoding="utf-8"))
 
 
 def tail_bound(trace: MooncakeTrace) -> float:
