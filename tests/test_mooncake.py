@@ -314,3 +314,28 @@ def test_figure9_numbers_and_picture():
     (ax,) = fig.axes
     assert "49% of max" in [t.get_text() for t in ax.texts]
     assert "synthetic: paper (Table 2), 66%" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+# --- Figure 10 --------------------------------------------------------------------------------------
+
+def test_figure10_committed_runs_and_picture():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlearn.routing.replay import PAPER_POOLED_GAIN, figure10_results
+    from kvlearn.viz.capacity import plot_pooled_vs_local
+
+    fig10 = figure10_results()
+    assert "--pool-tokens 29998080" in fig10["command"] and "{trace}" in fig10["command"]
+    for name, n in (("conversation", 12031), ("synthetic", 3993)):
+        rows = fig10["runs"][name]
+        local, pooled = [r for r in rows if not r["pool_tokens"]], [r for r in rows if r["pool_tokens"]]
+        assert [r["policy"] for r in local] == list(POLICIES) and len(pooled) == 1
+        assert {r["requests"] for r in rows} == {n} and {r["replicas"] for r in rows} == {10}
+        # the direction of the paper's Figure 10: the pool beats every local policy
+        assert pooled[0]["hit_rate"] >= max(r["hit_rate"] for r in local)
+        assert all(r["computed_prefill_tokens"] >= r["unique_token_floor"] for r in rows)
+    fig = plot_pooled_vs_local(fig10["runs"], PAPER_POOLED_GAIN, {"conversation": 0.366})
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_xticklabels()][-1] == "least_load\n+ pool"
+    assert "paper: pooled 2.22x local" in left.get_title() and left.get_legend() and not right.get_legend()
+    assert any("x the best local" in t.get_text() for t in left.texts)

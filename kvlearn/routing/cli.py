@@ -16,8 +16,8 @@ the simulated time of the time model (`--time-model`, default: the one committed
 `--pool-tokens N` adds, after the local runs, a run of the same fleet with one shared prefix pool of
 N tokens below every replica's cache (`kvlearn.routing.pooled`: Mooncake Store's idea), with
 `--pool-policy` routing it. `--trace` also takes a bundled Mooncake trace's name (conversation, synthetic).
-Before building anything, it estimates the memory the fleet preallocates (each replica's pool and
-request table) and refuses, saying what to change, a fleet that does not fit in what is available.
+Before building the fleet, it estimates the memory the fleet takes (each replica's pool and request
+table) and refuses, saying what to change, a fleet that does not fit in what is available.
 """
 
 from __future__ import annotations
@@ -115,25 +115,29 @@ def _policy_options(args, policy: str) -> dict:
 REPLICA_OVERHEAD_BYTES = 16_384  # a simulated replica's Python objects (scheduler, KV manager, tree), measured
 
 
-def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int) -> tuple[int, int]:
-    """What `simulate_fleet` preallocates: (bytes in all, rows of each replica's request table).
+def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int,
+                max_context: int | None = None) -> tuple[int, int]:
+    """What `simulate_fleet` takes: (bytes in all, rows of each replica's request table).
     Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
     and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
-    int64 slots, the largest part."""
+    int64 slots, the largest part. The table is allocated empty, so a row costs memory only as far
+    as the requests it holds reach: with `max_context` (the trace's longest request, in tokens)
+    each row counts min(slots, max_context rounded up to pages)."""
     pages = slots // page_size
     rows = min(max_running, max(pages, 1))
-    return replicas * (rows * slots * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
+    width = slots if max_context is None else min(slots, -(-max_context // page_size) * page_size)
+    return replicas * (rows * width * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
 
 
-def available_bytes() -> int | None:
-    """Memory this process may still take: the machine's MemAvailable, capped by an address-space
-    limit (ulimit -v) less what the process maps already; None if neither is known."""
+def available_bytes() -> tuple[int | None, int | None]:
+    """(memory, address space) this process may still take: the machine's MemAvailable, and an
+    address-space limit (ulimit -v) less what the process maps already; None where unknown."""
     import resource
 
-    limits = []
+    memory = space = None
     try:
         with open("/proc/meminfo") as f:
-            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+            memory = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except (OSError, ValueError, IndexError):
         pass
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -143,20 +147,24 @@ def available_bytes() -> int | None:
                 mapped = int(f.read().split()[0]) * resource.getpagesize()
         except (OSError, ValueError, IndexError):
             mapped = 0
-        limits.append(max(soft - mapped, 0))
-    return min(limits) if limits else None
+        space = max(soft - mapped, 0)
+    return memory, space
 
 
-def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int) -> None:
-    """Refuse, before anything is built, a fleet that would not fit in the memory left."""
-    need, rows = fleet_bytes(replicas, slots, page_size, max_running)
-    have = available_bytes()
-    if have is not None and need > have:
-        gb = 1024 ** 3
-        raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB ({replicas:,} replicas x "
-                          f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
-                          f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
-                          "fewer --replicas or a smaller --slots-per-replica.")
+def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int,
+                       max_context: int | None = None) -> None:
+    """Refuse, before anything is built, a fleet that would not fit in the memory left: the
+    address space takes every request table whole, the memory only as far as `max_context`."""
+    gb = 1024 ** 3
+    virtual, rows = fleet_bytes(replicas, slots, page_size, max_running)
+    resident, _ = fleet_bytes(replicas, slots, page_size, max_running, max_context)
+    memory, space = available_bytes()
+    for need, have, what in ((virtual, space, "of address space"), (resident, memory, "of memory")):
+        if have is not None and need > have:
+            raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB {what} ({replicas:,} replicas x "
+                              f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
+                              f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
+                              "fewer --replicas or a smaller --slots-per-replica.")
 
 
 def _trace(args):
@@ -190,13 +198,14 @@ def _run(args) -> int:
     check_positive_int("--slots-per-replica", args.slots_per_replica, " (KV slots per replica)")
     if args.page_size is not None:
         check_positive_int("--page-size", args.page_size, " (tokens per page)")
-    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
-    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows)
     check_int("--pool-tokens", args.pool_tokens, what=" (tokens of the shared pool; 0: none)")
     if not args.speedup > 0 or math.isinf(args.speedup):
         raise ValueError(f"--speedup must be a number > 0, got {args.speedup}.")
     time_model = (TimeModel.load(args.time_model) if args.time_model else default_time_model()).faster(args.speedup)
     trace = _trace(args)
+    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
+                       max(r.num_prompt_tokens + r.max_new_tokens for r in trace))
     runs = [(name, 0) for name in (POLICIES if args.policy == "all" else (args.policy,))]
     if args.pool_tokens:
         runs.append((args.pool_policy, args.pool_tokens))
