@@ -11,16 +11,18 @@ The model here keeps only what that changes for a router:
   (never the path just written, unless that path alone is larger than the pool). No slots, no K
   or V: the pool only says which prefixes it holds. `replay` (Figure 9) is one PrefixPool fed
   every request in order.
-- `PooledRadixKV`: chapter 6's radix mode on a replica's own pool, with the shared pool below it.
-  Admission takes the local match as usual, then *loads* whatever longer prefix the pool holds into
-  the request's fresh slots: those tokens count as cached (the scheduler computes only the rest)
-  and as `loaded_from_host_tokens` (the pool is host memory of the fleet); the fleet's time model
-  charges `load_s_per_token` for each (`TimeModel`). A prompt is written to the pool as soon as
-  its prefill ends, as Mooncake's prefill nodes write their KV to the store (write-through).
+- `PooledRadixKV`: chapter 6's radix mode on a replica's KV pool (chapter 4), with the shared
+  `PrefixPool` below it: a tier (chapter 8) that every replica reads. Admission takes the local
+  match as usual, then *loads* whatever longer prefix the shared pool holds into the request's
+  fresh slots: those tokens count as cached (the scheduler computes only the rest) and as
+  `loaded_from_host_tokens` (the shared pool is the fleet's host memory); the fleet's time model
+  charges `load_s_per_token` for each (`TimeModel`). `cached_len` (what `lpm` scheduling and the
+  `exact` router ask) counts the shared pool too. A prompt is written to the shared pool as soon
+  as its prefill ends, as Mooncake's prefill nodes write their KV to the store (write-through).
 
-Invariant: the pool never holds more than `capacity_tokens // page_size` pages between calls.
-Everything the pool holds was computed by some replica, so a pooled fleet never beats one cache
-of (pool + local) capacity that sees every request.
+Invariants: the pool never holds more than `capacity_tokens // page_size` pages between calls;
+everything it holds was computed by some replica first, so a pooled fleet still computes at least
+the trace's `unique_token_floor`.
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ class PrefixPool:
 
 
 class PooledRadixKV(RadixKV):
-    """Chapter 6's radix mode over a replica's pool, loading longer prefixes from a shared
-    `PrefixPool` (see the module docstring). `shared.page_size` must be the pool's page size."""
+    """Chapter 6's radix mode over a replica's KV pool, loading longer prefixes from a shared
+    `PrefixPool` (see the module docstring). `shared.page_size` must be the KV pool's page size."""
 
     def __init__(self, pool: KVPool, shared: PrefixPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         if shared.page_size != pool.page_size:
