@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="Simulate a trace on a fleet of engine replicas behind a routing policy.")
     source = p.add_argument_group("trace (one of)")
     source.add_argument("--trace", metavar="FILE.jsonl", help="JSON Lines trace: id, arrival, prompt_ids or prompt, "
-                                                              "max_new_tokens, optional session")
+                                                              "max_new_tokens, optional session; or a Mooncake trace "
+                                                              "(a file, or a bundled one: conversation, synthetic)")
     source.add_argument("--generate", type=int, metavar="N", help="a seeded multi-tenant trace of N requests")
     source.add_argument("--block-size", type=int, default=512, help="tokens per hash id of a Mooncake trace "
                                                                     "(lines with hash_ids, gzipped or not)")
