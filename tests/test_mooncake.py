@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvlearn.radix import RadixCache
 from kvlearn.routing.cli import main as route
+from kvlearn.routing.policies import POLICIES
 from kvlearn.routing.mooncake import (MooncakeRequest, MooncakeTrace, is_mooncake, mooncake_trace_path,
                                       read_mooncake)
 from kvlearn.routing.replay import PAPER_CACHE_RATIO, figure9, replay, tail_bound
@@ -78,7 +79,10 @@ def test_pages_carry_exactly_the_trace_prefix_sharing(tmp_path):
     assert (b.arrival, b.max_new_tokens, a.max_new_tokens) == (1.5, 1, 5)   # ms -> s; at least one token out
     assert b.prompt_ids[:8] == a.prompt_ids and c.prompt_ids[:4] == a.prompt_ids[:4]
     assert c.prompt_ids[4] != a.prompt_ids[4]
-    assert len(set(a.prompt_ids + b.prompt_ids + c.prompt_ids)) == 8 + 2 + 2   # no token shared across ids
+    # each block opens with a token id of its own (4 distinct ids), the rest is one shared filler
+    assert [p[::4] for p in (a.prompt_ids, b.prompt_ids, c.prompt_ids)] == [[4, 5], [4, 5, 6], [4, 7]]
+    assert {t for p in (a, b, c) for k, t in enumerate(p.prompt_ids) if k % 4} == {3}
+    assert a.parts[1] is b.parts[1] is c.parts[1]   # the filler is one tuple, shared by every block
 
 
 def test_bundled_traces_have_the_papers_statistics():
@@ -249,6 +253,26 @@ def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     assert time.perf_counter() - start < 120
 
 
+@pytest.mark.slow   # seven fleets of ten replicas on 7M prompt tokens: about 20 s of CPU
+def test_route_pooled_beats_every_local_policy_on_a_slice(tmp_path, capsys):
+    with gzip.open(mooncake_trace_path("conversation"), "rt") as f:
+        head = [next(f) for _ in range(500)]
+    path = tmp_path / "slice.jsonl"
+    path.write_text("".join(head))
+    pages = 300   # 153,600 tokens a replica: the slice's longest request fits, and the caches evict
+    assert route(["--trace", str(path), "--replicas", "10", "--slots-per-replica", str(512 * pages), "--page-size",
+                  "512", "--max-batch-tokens", "16384", "--speedup", "20", "--policy", "all",
+                  "--pool-tokens", str(10 * 512 * pages), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    local, (pooled,) = rows[:-1], rows[-1:]
+    assert [r["policy"] for r in local] == list(POLICIES) and all(r["pool_tokens"] == 0 for r in local)
+    assert (pooled["policy"], pooled["pool_tokens"]) == ("least_load", 10 * 512 * pages)
+    assert {r["requests"] for r in rows} == {500} and {r["prompt_tokens"] for r in rows} == {rows[0]["prompt_tokens"]}
+    assert pooled["hit_rate"] >= max(r["hit_rate"] for r in local)
+    assert 0 < pooled["loaded_tokens"] <= pooled["cached_tokens"] and not any(r["loaded_tokens"] for r in local)
+    assert all(r["computed_prefill_tokens"] >= r["unique_token_floor"] for r in rows)
+
+
 def block_lru(trace: MooncakeTrace, capacity_tokens: int) -> float:
     """An LRU of blocks, no tree: a prompt hits its longest run of cached leading blocks, then
     touches its blocks last to first, so a prefix is always more recent than its extensions."""
@@ -290,3 +314,28 @@ def test_figure9_numbers_and_picture():
     (ax,) = fig.axes
     assert "49% of max" in [t.get_text() for t in ax.texts]
     assert "synthetic: paper (Table 2), 66%" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+# --- Figure 10 --------------------------------------------------------------------------------------
+
+def test_figure10_committed_runs_and_picture():
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlearn.routing.replay import PAPER_POOLED_GAIN, figure10_results
+    from kvlearn.viz.capacity import plot_pooled_vs_local
+
+    fig10 = figure10_results()
+    assert "--pool-tokens 29998080" in fig10["command"] and "{trace}" in fig10["command"]
+    for name, n in (("conversation", 12031), ("synthetic", 3993)):
+        rows = fig10["runs"][name]
+        local, pooled = [r for r in rows if not r["pool_tokens"]], [r for r in rows if r["pool_tokens"]]
+        assert [r["policy"] for r in local] == list(POLICIES) and len(pooled) == 1
+        assert {r["requests"] for r in rows} == {n} and {r["replicas"] for r in rows} == {10}
+        # the direction of the paper's Figure 10: the pool beats every local policy
+        assert pooled[0]["hit_rate"] >= max(r["hit_rate"] for r in local)
+        assert all(r["computed_prefill_tokens"] >= r["unique_token_floor"] for r in rows)
+    fig = plot_pooled_vs_local(fig10["runs"], PAPER_POOLED_GAIN, {"conversation": 0.366})
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_xticklabels()][-1] == "least_load\n+ pool"
+    assert "paper: pooled 2.22x local" in left.get_title() and left.get_legend() and not right.get_legend()
+    assert any("x the best local" in t.get_text() for t in left.texts)

@@ -54,9 +54,45 @@ def test_hot_tenant_takes_its_share():
     assert 0.45 < share < 0.7   # 0.5 on top of its Zipf share
 
 
-def test_floor_of_parts_equals_floor_of_prompts():
-    trace = multi_tenant_trace(200, num_tenants=4, seed=0)
-    assert unique_token_floor(trace) == floor_of_prompts([r.prompt_ids for r in trace])
+def brute_force_floor(trace) -> int:
+    """The floor's definition, prefix by prefix in arrival order: a prompt prefix counts unless an
+    earlier prompt, or an earlier request's prompt + the answer tokens it fed back, already held it."""
+    seen, floor = set(), 0
+    for r in trace:
+        prompt = tuple(r.prompt_ids)
+        new = {prompt[:k] for k in range(1, len(prompt) + 1)} - seen
+        floor += len(new)
+        seen |= new
+        fed_back = prompt + tuple(r.answer[:r.max_new_tokens - 1])   # the last sampled token is never fed back
+        seen |= {fed_back[:k] for k in range(len(prompt) + 1, len(fed_back) + 1)}
+    return floor
+
+
+def test_floor_of_parts_is_the_brute_force_floor():
+    trace = multi_tenant_trace(120, num_tenants=4, system_tokens=(20, 200), seed=0)
+    assert any(r.answer for r in trace)
+    assert unique_token_floor(trace) == brute_force_floor(trace)
+    # the answers resent by later turns are what separates it from chapter 6's floor over prompts;
+    # the last turns kept (the trace is cut at 120 requests) have answers nobody resends
+    resent = sum(min(len(r.answer), r.max_new_tokens - 1) for r in trace)
+    assert floor_of_prompts([r.prompt_ids for r in trace]) - resent < unique_token_floor(trace) < \
+        floor_of_prompts([r.prompt_ids for r in trace])
+
+
+def test_floor_counts_a_resent_answer_by_hand(tmp_path):
+    # turn 1: prompt 1 2 3, answers 4 5 6 (three tokens); turn 2 resends it all and asks 7.
+    # Prompt prefixes: 1, 12, 123, 1234, ..., 1234567 (7). Turn 1 fed back 4 and 5 while decoding
+    # (6 was sampled last, never fed back), so 1234 and 12345 were computed then: floor 7 - 2 = 5.
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"id": "t1", "arrival": 0, "prompt_ids": [1, 2, 3], "max_new_tokens": 3,
+                                "session": "s"}) + "\n" +
+                    json.dumps({"id": "t2", "arrival": 60, "prompt_ids": [1, 2, 3, 4, 5, 6, 7],
+                                "max_new_tokens": 2, "session": "s"}) + "\n")
+    trace = read_trace(path)
+    assert trace[0].answer == (4, 5, 6) and unique_token_floor(trace) == brute_force_floor(trace) == 5
+    from kvlearn.routing.fleet import simulate_fleet
+    r = simulate_fleet(trace, "round_robin", 1, slots_per_replica=64)
+    assert r.computed_prefill_tokens == 5   # turn 2 finds 1 2 3 4 5 cached and computes 6 and 7
 
 
 def test_write_then_read_gives_the_same_trace_and_answers(tmp_path):

@@ -4,6 +4,7 @@ wrong answers with "Not yet" and a hint, and never raise."""
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from kvlearn.exercises import NOT_YET, OK, ch07
 from kvlearn.routing.policies import LeastLoad, Policy, RoundRobin
@@ -26,13 +27,17 @@ class Sticky(Policy):
 
 def test_thresholds_checker(capsys):
     assert ch07.check_thresholds(0.3, 4, 1.5)
+    assert ch07.check_thresholds(0.3, 4, 1.5, "imbalanced")
+    assert not ch07.check_thresholds(0.3, 4, 1.5, "cache_hit")   # the diagnosis comes first
+    assert not ch07.check_thresholds(0.3, 4, 1.5, "hot")
     assert not ch07.check_thresholds(0.3, 8, 1.5)         # the defaults leave the hot tenant too heavy
     assert not ch07.check_thresholds(0.3, 10**9, 1.5)     # no balancing: the hot tenant piles up
     assert not ch07.check_thresholds(0.3, 0, 1.0)         # always balancing: affinity is lost
     assert not ch07.check_thresholds(..., ..., ...)
     assert not ch07.check_thresholds(2.0, 4, 1.5)         # out of range: a hint, not a crash
     out = capsys.readouterr().out
-    assert out.count(OK) == 1 and out.count(NOT_YET) == 5 and "piles up" in out and "cache_threshold" in out
+    assert out.count(OK) == 2 and out.count(NOT_YET) == 7 and "piles up" in out and "cache_threshold" in out
+    assert "checked first" in out and "'imbalanced'" in out
 
 
 def test_policy_checker(capsys):
@@ -62,6 +67,27 @@ def test_capacity_checker(capsys):
     assert out.count(OK) == 1 and out.count(NOT_YET) == 3 and "search higher" in out and "lower" in out
 
 
+def routing_share(trace, replicas, slots):
+    from kvlearn.routing.fleet import simulate_fleet
+
+    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate for p in ("round_robin", "cache_aware"))
+    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots, pool_tokens=replicas * slots).hit_rate
+    return (aware - rr) / (pooled - rr)
+
+
+@pytest.mark.slow   # six fleets of 200 requests: about 8 s
+def test_routing_share_checker(capsys):
+    rr, aware, pooled = ch07._routing_share_reference(4, 3072)
+    assert rr < aware < pooled                                 # routing recovers part of the pool's gain
+    assert ch07.check_routing_share(routing_share)
+    assert not ch07.check_routing_share(lambda t, r, s: (aware - rr) / pooled)   # forgot the baseline
+    assert not ch07.check_routing_share(lambda t, r, s: (pooled - rr) / (aware - rr))   # upside down
+    assert not ch07.check_routing_share(lambda t, r, s: 0.0)
+    assert not ch07.check_routing_share(lambda t, r, s: None)
+    out = capsys.readouterr().out
+    assert out.count(OK) == 1 and out.count(NOT_YET) == 4 and "baseline" in out and "upside" not in out
+
+
 def test_student_stubs_get_not_yet(capsys):
     student = student_copy(nbformat.read(NOTEBOOK, as_version=4))
     namespace = {}
@@ -69,4 +95,4 @@ def test_student_stubs_get_not_yet(capsys):
         if cell.cell_type == "code" and "your " in cell.source:
             exec(cell.source, namespace)
     out = capsys.readouterr().out
-    assert out.count(NOT_YET) == 3 and OK not in out
+    assert out.count(NOT_YET) == 4 and OK not in out

@@ -34,10 +34,13 @@ def traces(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(trace=traces(), replicas=st.integers(1, 4), policy=st.sampled_from(POLICIES),
-       slots=st.sampled_from([32, 64, 1024]), cache=st.sampled_from(["radix", "blocks"]))
-def test_every_request_finishes_and_the_counts_add_up(trace, replicas, policy, slots, cache):
+       slots=st.sampled_from([32, 64, 1024]), cache=st.sampled_from(["radix", "blocks"]),
+       pool=st.sampled_from([0, 8, 64]))
+def test_every_request_finishes_and_the_counts_add_up(trace, replicas, policy, slots, cache, pool):
+    pool = pool if cache == "radix" else 0   # the shared pool sits below the radix mode
     r = simulate_fleet(trace, policy, replicas, cache=cache, slots_per_replica=slots,
-                       page_size=4 if cache == "blocks" else None, time_model=TM)
+                       page_size=4 if cache == "blocks" else None, time_model=TM, pool_tokens=pool)
+    assert 0 <= r.loaded_tokens <= r.cached_tokens and (pool or not r.loaded_tokens)
     assert r.requests == len(trace) == sum(p["requests"] for p in r.per_replica)
     assert r.prompt_tokens == sum(t.num_prompt_tokens for t in trace)
     assert r.cached_tokens == sum(p["cached_tokens"] for p in r.per_replica)
@@ -124,6 +127,58 @@ def test_cache_aware_beats_load_balancing_on_hit_rate(multi_tenant):
     assert hit["exact"] >= hit["cache_aware"]
     for r in multi_tenant.values():
         assert r.computed_prefill_tokens >= r.unique_token_floor
+
+
+@pytest.mark.slow   # chapter 7's trace under every policy: 9 s quiet, 40 s at load 10
+def test_no_policy_computes_less_than_the_floor_on_chapter_7s_trace():
+    trace = multi_tenant_trace(600, num_tenants=32, output_tokens=(8, 48), rate=10, seed=0)
+    results = [simulate_fleet(trace, p, 8, slots_per_replica=16384) for p in POLICIES]
+    results.append(simulate_fleet(trace, "least_load", 8, slots_per_replica=16384, pool_tokens=8 * 16384))
+    floor = results[0].unique_token_floor
+    assert floor == 59_985   # chapter 7 prints it; 68,761 before the resent answers were taken out
+    assert all(r.computed_prefill_tokens >= floor for r in results)
+
+
+def test_a_shared_pool_lends_what_another_replica_computed():
+    # two replicas, round robin: without the pool the second replica computes the shared
+    # prefix again; with it, it loads the prefix, and the step that admits it takes the load time
+    stem = tuple(range(10, 42))
+    trace = [TraceRequest(f"r{i}", i * 10.0, (stem, (100 + i,)), 2) for i in range(4)]
+    local = simulate_fleet(trace, "round_robin", 2, slots_per_replica=256, time_model=TM)
+    pooled = simulate_fleet(trace, "round_robin", 2, slots_per_replica=256, time_model=TM, pool_tokens=1024)
+    assert local.computed_prefill_tokens == 2 * 33 + 2 and local.loaded_tokens == 0
+    assert pooled.computed_prefill_tokens == 33 + 3 and pooled.loaded_tokens == 32   # r1 loads the stem
+    assert pooled.hit_rate > local.hit_rate and pooled.pool_tokens == 1024
+    # TTFT: r1 takes 32 loads instead of 32 prefill tokens (the committed POOL_LOAD_S_PER_TOKEN)
+    from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN
+    saved = 32 * (TM.prefill_s_per_token - POOL_LOAD_S_PER_TOKEN)
+    assert local.per_replica[1]["busy_s"] - pooled.per_replica[1]["busy_s"] == pytest.approx(saved, abs=1e-4)   # busy_s: 4 decimals
+
+
+def test_the_pool_keeps_its_capacity_and_its_newest_prefixes():
+    from kvlearn.routing.pooled import PrefixPool
+
+    pool = PrefixPool(8, page_size=2)
+    assert pool.store([1, 2, 3, 4, 5]) == 4 and pool.size == 4          # whole pages only
+    assert pool.store([1, 2, 7, 8, 9, 10]) == 4 and pool.size == 8
+    assert pool.lookup([1, 2, 3, 4, 6]) == 4                           # a read touches 1 2 3 4
+    assert pool.store([11, 12, 13, 14]) == 4 and pool.size <= 8         # evicts the least recent: 7 8 9 10
+    assert (pool.match_len([1, 2, 7, 8]), pool.match_len([1, 2, 3, 4]), pool.match_len([11, 12, 13, 14])) == (2, 4, 4)
+    assert pool.store(list(range(20, 40))) == 20 and pool.size <= 8     # alone too big: cut to capacity
+    assert pool.evicted_tokens == pool.stored_tokens - pool.size
+    with pytest.raises(ValueError, match="pages"):
+        from kvlearn.pool import KVPool
+        from kvlearn.routing.pooled import PooledRadixKV
+        PooledRadixKV(KVPool(1, 1, 1, 64, page_size=4), pool)
+
+
+def test_faster_divides_compute_not_loads():
+    tm = TimeModel(0.01, 2e-4, 2e-3, 1e-6, load_s_per_token=5e-6)
+    fast = tm.faster(10)
+    assert fast.step_s(100, 4, 1000, 50) == pytest.approx(tm.step_s(100, 4, 1000, 0) / 10 + 50 * 5e-6)
+    assert tm.faster(1) is tm and "10x faster" in fast.measured_on
+    with pytest.raises(ValueError):
+        tm.faster(0)
 
 
 def test_hot_tenant_affinity_without_bounds_piles_up_and_bounds_fix_it():

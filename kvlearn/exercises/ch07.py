@@ -1,5 +1,5 @@
-"""Chapter 7 exercises: tune cache_aware's thresholds for a hot tenant, write a routing policy, and
-size a cache for real traffic."""
+"""Chapter 7 exercises: diagnose and tune cache_aware's thresholds for a hot tenant, write a routing
+policy, size a cache for real traffic, and measure what routing recovers of a pooled cache."""
 
 from functools import lru_cache
 from numbers import Integral
@@ -23,15 +23,27 @@ def _baseline(policy: str):
     return simulate_fleet(list(_hot_trace()), policy, NUM_REPLICAS, slots_per_replica=8192)
 
 
-def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_threshold) -> bool:
-    """Exercise 1: thresholds for cache_aware on the hot-tenant trace (600 requests, 6 replicas)
-    that keep its hit rate at least 10 points above least_load's AND its load imbalance within
-    0.10 of least_load's (kvlearn's defaults, 0.3 / 8 / 1.5, miss the second)."""
+BRANCHES = ("imbalanced", "cache_hit", "low_match")   # the branches of the rule, as `decisions` names them
+
+
+def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_threshold, branch=None) -> bool:
+    """Exercise 1: first the diagnosis, `branch`: which branch of cache_aware's rule should have
+    sent more of the hot tenant's requests elsewhere ("imbalanced"; None skips the question). Then
+    thresholds for cache_aware on the hot-tenant trace (600 requests, 6 replicas) that keep its hit
+    rate at least 10 points above least_load's AND its load imbalance within 0.10 of least_load's
+    (kvlearn's defaults, 0.3 / 8 / 1.5, miss the second)."""
     from kvlearn.routing.fleet import simulate_fleet
 
     if any(x is ... or x is None for x in (cache_threshold, balance_abs_threshold, balance_rel_threshold)):
         return report(False, "give three numbers: cache_threshold in [0, 1], balance_abs_threshold >= 0 "
                              "(requests), balance_rel_threshold >= 1.")
+    if branch is not None and branch != "imbalanced":
+        if branch not in BRANCHES:
+            return report(False, f"branch must be one of {', '.join(map(repr, BRANCHES))} (the keys of "
+                                 f"result.router['decisions']), got {branch!r}.")
+        return report(False, f"{branch!r} sends a request where its prefix is cached, or to the least loaded replica "
+                             "when nothing matches: neither moves a request off the hot tenant's replica while that "
+                             "replica holds its prefix. Which branch is checked first, and when does it fire?")
     result, error = attempt(lambda: simulate_fleet(
         list(_hot_trace()), "cache_aware", NUM_REPLICAS, slots_per_replica=8192, cache_threshold=cache_threshold,
         balance_abs_threshold=balance_abs_threshold, balance_rel_threshold=balance_rel_threshold))
@@ -113,3 +125,45 @@ def check_capacity(capacity_for) -> bool:
         return report(False, f"{smaller:,} tokens already reach 90 % of {best:.1%}: the smallest capacity is lower "
                              "(bisect between a capacity that misses and one that reaches, until they are within 10 %).")
     return report(True, "")
+
+
+@lru_cache(maxsize=None)
+def _routing_share_reference(replicas: int, slots: int) -> tuple[float, float, float]:
+    from kvlearn.routing.fleet import simulate_fleet
+
+    trace = _pooled_trace()
+    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate for p in ("round_robin", "cache_aware"))
+    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots, pool_tokens=replicas * slots).hit_rate
+    return rr, aware, pooled
+
+
+def _pooled_trace():
+    from kvlearn.routing.traces import multi_tenant_trace
+
+    return multi_tenant_trace(600, num_tenants=32, output_tokens=(8, 48), rate=10, seed=0)[:200]
+
+
+def check_routing_share(routing_share) -> bool:
+    """Exercise 4: `routing_share(trace, replicas, slots)` returns the share of a pooled cache's
+    hit-rate gain over round robin that cache-aware routing on local caches recovers:
+    (cache_aware - round_robin) / (pooled - round_robin), the pooled fleet being `least_load` with
+    `pool_tokens = replicas * slots`. Checked on the first 200 requests of chapter 7's section-4
+    trace, 4 replicas of 3,072 slots, within 0.01."""
+    replicas, slots = 4, 3072
+    answer, error = attempt(routing_share, _pooled_trace(), replicas, slots)
+    if error:
+        return report(False, error)
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        return report(False, f"routing_share must return a number (a share, e.g. 0.5), got {answer!r}.")
+    rr, aware, pooled = _routing_share_reference(replicas, slots)
+    want = (aware - rr) / (pooled - rr)
+    if abs(answer - want) <= 0.01:
+        return report(True, "")
+    if abs(answer - (aware - rr) / pooled) <= 0.01 or abs(answer - aware / pooled) <= 0.01:
+        return report(False, f"{answer:.3f}: measure both gains from round robin's hit rate ({rr:.1%}), the "
+                             "baseline that neither routing nor a pool is needed for.")
+    if abs(answer - 1 / want) <= 0.01:
+        return report(False, f"{answer:.3f}: that is the pool's gain over routing's; the share is routing's gain "
+                             "over the pool's.")
+    return report(False, f"{answer:.3f}: check the three runs (round_robin, cache_aware, and least_load with a pool of "
+                         "replicas x slots tokens) on the same trace, replicas and slots.")

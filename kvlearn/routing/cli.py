@@ -3,15 +3,21 @@
     python -m kvlearn route --trace FILE.jsonl --replicas 8 --policy cache_aware
     python -m kvlearn route --generate 20000 --tenants 64 --replicas 16 --policy all --json
     python -m kvlearn route --calibrate --time-model my_machine.json
+    python -m kvlearn route --trace conversation --replicas 10 --slots-per-replica 2999808 --page-size 512 \
+        --max-batch-tokens 16384 --speedup 20 --policy all --pool-tokens 29998080 --json   # Figure 10
 
 `--trace` reads a JSON Lines trace (see kvlearn.routing.traces; a Mooncake trace too, see
 kvlearn.routing.mooncake); `--generate N` makes a seeded
 multi-tenant one instead (`--save-trace` writes it out). `--policy all` runs every policy on the
 same trace. The table (or, with --json, one JSON object per policy and line) reports the hit rate,
 load imbalance (busiest replica's busy time over the mean), TTFT percentiles and throughput, all in
-the simulated time of the time model (`--time-model`, default: the one committed with kvlearn).
-Before building anything, it estimates the memory the fleet preallocates (each replica's pool and
-request table) and refuses, saying what to change, a fleet that does not fit in what is available.
+the simulated time of the time model (`--time-model`, default: the one committed with kvlearn;
+`--speedup K` divides its compute costs by K, a what-if for replicas faster than the measured ones).
+`--pool-tokens N` adds, after the local runs, a run of the same fleet with one shared prefix pool of
+N tokens below every replica's cache (`kvlearn.routing.pooled`: Mooncake Store's idea), with
+`--pool-policy` routing it. `--trace` also takes a bundled Mooncake trace's name (conversation, synthetic).
+Before building the fleet, it estimates the memory the fleet takes (each replica's pool and request
+table) and refuses, saying what to change, a fleet that does not fit in what is available.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import inspect
 import json
 import math
 import sys
+from pathlib import Path
 
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.routing.policies import POLICIES
 
 # (field, header, width, format) of the table's columns; the first is left-aligned
-COLUMNS = (("policy", "policy", 12, ""), ("hit_rate", "hit rate", 9, ".1%"),
+COLUMNS = (("policy", "policy", 19, ""), ("hit_rate", "hit rate", 9, ".1%"),
            ("computed_prefill_tokens", "computed", 12, ","), ("load_imbalance", "imbalance", 10, ".2f"),
            ("ttft_p50_s", "TTFT p50 s", 11, ".3f"), ("ttft_p99_s", "TTFT p99 s", 11, ".3f"),
            ("throughput_tok_s", "tok/s", 9, ",.0f"), ("sim_wall_s", "wall s", 7, ".1f"))
@@ -41,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="Simulate a trace on a fleet of engine replicas behind a routing policy.")
     source = p.add_argument_group("trace (one of)")
     source.add_argument("--trace", metavar="FILE.jsonl", help="JSON Lines trace: id, arrival, prompt_ids or prompt, "
-                                                              "max_new_tokens, optional session")
+                                                              "max_new_tokens, optional session; or a Mooncake trace "
+                                                              "(a file, or a bundled one: conversation, synthetic)")
     source.add_argument("--generate", type=int, metavar="N", help="a seeded multi-tenant trace of N requests")
     source.add_argument("--block-size", type=int, default=512, help="tokens per hash id of a Mooncake trace "
                                                                     "(lines with hash_ids, gzipped or not)")
@@ -60,6 +68,14 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--page-size", type=int, help="tokens per page of each pool (default: 1 for radix, 16 for blocks)")
     fleet.add_argument("--max-batch-tokens", type=int, default=2048)
     fleet.add_argument("--time-model", metavar="FILE.json", help="a time model from --calibrate (default: kvlearn's)")
+    fleet.add_argument("--speedup", type=float, default=1.0, metavar="K",
+                       help="what-if: replicas K times faster at computing than the time model says (loads unchanged)")
+    pooled = p.add_argument_group("pooled cache (Mooncake Store, LMCache)")
+    pooled.add_argument("--pool-tokens", type=int, default=0, metavar="N",
+                        help="also run the fleet with one shared prefix pool of N tokens that every replica loads "
+                             "from (e.g. replicas x slots per replica); 0: local caches only")
+    pooled.add_argument("--pool-policy", default="least_load", choices=POLICIES,
+                        help="the routing policy of the pooled run (default least_load)")
     knobs = p.add_argument_group("cache_aware / exact knobs")
     knobs.add_argument("--cache-threshold", type=float)
     knobs.add_argument("--balance-abs-threshold", type=float)
@@ -100,25 +116,29 @@ def _policy_options(args, policy: str) -> dict:
 REPLICA_OVERHEAD_BYTES = 16_384  # a simulated replica's Python objects (scheduler, KV manager, tree), measured
 
 
-def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int) -> tuple[int, int]:
-    """What `simulate_fleet` preallocates: (bytes in all, rows of each replica's request table).
+def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int,
+                max_context: int | None = None) -> tuple[int, int]:
+    """What `simulate_fleet` takes: (bytes in all, rows of each replica's request table).
     Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
     and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
-    int64 slots, the largest part."""
+    int64 slots, the largest part. The table is allocated empty, so a row costs memory only as far
+    as the requests it holds reach: with `max_context` (the trace's longest request, in tokens)
+    each row counts min(slots, max_context rounded up to pages)."""
     pages = slots // page_size
     rows = min(max_running, max(pages, 1))
-    return replicas * (rows * slots * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
+    width = slots if max_context is None else min(slots, -(-max_context // page_size) * page_size)
+    return replicas * (rows * width * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
 
 
-def available_bytes() -> int | None:
-    """Memory this process may still take: the machine's MemAvailable, capped by an address-space
-    limit (ulimit -v) less what the process maps already; None if neither is known."""
+def available_bytes() -> tuple[int | None, int | None]:
+    """(memory, address space) this process may still take: the machine's MemAvailable, and an
+    address-space limit (ulimit -v) less what the process maps already; None where unknown."""
     import resource
 
-    limits = []
+    memory = space = None
     try:
         with open("/proc/meminfo") as f:
-            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+            memory = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except (OSError, ValueError, IndexError):
         pass
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
@@ -128,20 +148,24 @@ def available_bytes() -> int | None:
                 mapped = int(f.read().split()[0]) * resource.getpagesize()
         except (OSError, ValueError, IndexError):
             mapped = 0
-        limits.append(max(soft - mapped, 0))
-    return min(limits) if limits else None
+        space = max(soft - mapped, 0)
+    return memory, space
 
 
-def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int) -> None:
-    """Refuse, before anything is built, a fleet that would not fit in the memory left."""
-    need, rows = fleet_bytes(replicas, slots, page_size, max_running)
-    have = available_bytes()
-    if have is not None and need > have:
-        gb = 1024 ** 3
-        raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB ({replicas:,} replicas x "
-                          f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
-                          f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
-                          "fewer --replicas or a smaller --slots-per-replica.")
+def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int,
+                       max_context: int | None = None) -> None:
+    """Refuse, before anything is built, a fleet that would not fit in the memory left: the
+    address space takes every request table whole, the memory only as far as `max_context`."""
+    gb = 1024 ** 3
+    virtual, rows = fleet_bytes(replicas, slots, page_size, max_running)
+    resident, _ = fleet_bytes(replicas, slots, page_size, max_running, max_context)
+    memory, space = available_bytes()
+    for need, have, what in ((virtual, space, "of address space"), (resident, memory, "of memory")):
+        if have is not None and need > have:
+            raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB {what} ({replicas:,} replicas x "
+                              f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
+                              f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
+                              "fewer --replicas or a smaller --slots-per-replica.")
 
 
 def _trace(args):
@@ -150,7 +174,10 @@ def _trace(args):
     if (args.trace is None) == (args.generate is None):
         raise ValueError("Give exactly one of --trace FILE.jsonl and --generate N.")
     if args.trace is not None:
-        return read_trace(args.trace, block_size=args.block_size)
+        from kvlearn.routing.mooncake import BUNDLED, mooncake_trace_path
+
+        path = mooncake_trace_path(args.trace) if args.trace in BUNDLED and not Path(args.trace).exists() else args.trace
+        return read_trace(path, block_size=args.block_size)
     trace = multi_tenant_trace(args.generate, num_tenants=args.tenants, rate=args.rate,
                                hot_tenant_share=args.hot_tenant, burstiness=args.burstiness, seed=args.seed)
     if args.save_trace:
@@ -160,7 +187,7 @@ def _trace(args):
 
 def _run(args) -> int:
     from kvlearn.routing.fleet import simulate_fleet
-    from kvlearn.routing.timemodel import TimeModel, calibrate
+    from kvlearn.routing.timemodel import TimeModel, calibrate, default_time_model
     from kvlearn.serving.cache_modes import default_page_size
 
     if args.calibrate:
@@ -172,23 +199,32 @@ def _run(args) -> int:
     check_positive_int("--slots-per-replica", args.slots_per_replica, " (KV slots per replica)")
     if args.page_size is not None:
         check_positive_int("--page-size", args.page_size, " (tokens per page)")
-    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
-    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows)
-    time_model = TimeModel.load(args.time_model) if args.time_model else None
+    check_int("--pool-tokens", args.pool_tokens, what=" (tokens of the shared pool; 0: none)")
+    if not args.speedup > 0 or math.isinf(args.speedup):
+        raise ValueError(f"--speedup must be a number > 0, got {args.speedup}.")
+    time_model = (TimeModel.load(args.time_model) if args.time_model else default_time_model()).faster(args.speedup)
     trace = _trace(args)
-    policies = POLICIES if args.policy == "all" else (args.policy,)
+    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
+                       max(r.num_prompt_tokens + r.max_new_tokens for r in trace))
+    runs = [(name, 0) for name in (POLICIES if args.policy == "all" else (args.policy,))]
+    if args.pool_tokens:
+        runs.append((args.pool_policy, args.pool_tokens))
     if not args.json:
         print(f"{len(trace):,} requests, {sum(r.num_prompt_tokens for r in trace):,} prompt tokens, "
-              f"{args.replicas} replicas x {args.slots_per_replica:,} slots ({args.cache})")
+              f"{args.replicas} replicas x {args.slots_per_replica:,} slots ({args.cache})"
+              + (f", then one pool of {args.pool_tokens:,} tokens" if args.pool_tokens else ""))
         print(_line((header, width, "") for _, header, width, _ in COLUMNS))
-    for name in policies:
+    for name, pool_tokens in runs:
         result = simulate_fleet(trace, name, args.replicas, cache=args.cache, slots_per_replica=args.slots_per_replica,
                                 page_size=args.page_size, time_model=time_model, max_batch_tokens=args.max_batch_tokens,
-                                progress=not args.json and len(trace) >= 5000, **_policy_options(args, name))
+                                progress=not args.json and len(trace) >= 5000, pool_tokens=pool_tokens,
+                                **_policy_options(args, name))
         row = result.summary()
         if args.json:
             print(json.dumps(row), flush=True)
         else:
+            row["policy"] += " + pool" if pool_tokens else ""
             print(_line((row[key], width, fmt) for key, _, width, fmt in COLUMNS), flush=True)
     return 0
 

@@ -21,6 +21,10 @@ replica ends the stretch after the step in progress. The result is the step-by-s
 (`fast_forward=False` checks it), at a fraction of the cost: a scheduler step costs a tenth of a
 millisecond of Python, and a fleet runs millions of them.
 
+A pooled fleet (`simulate_fleet(..., pool_tokens=N)`) adds one `PrefixPool` of N tokens below
+every replica's own cache (`kvlearn.routing.pooled`): a replica loads from it the prefixes it lacks,
+and the step that admits them takes the time model's `load_s_per_token` for each token loaded.
+
 Invariants checked at the end: every request finished, and each replica's prompt tokens equal its
 cached plus computed prefill tokens when nothing was preempted.
 """
@@ -30,12 +34,13 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.pool import KVPool
 from kvlearn.routing.policies import Policy, RouterView
+from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN, PooledRadixKV, PrefixPool
 from kvlearn.routing.timemodel import TimeModel, default_time_model
 from kvlearn.routing.traces import TraceRequest, unique_token_floor
 from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
@@ -51,12 +56,19 @@ class SimReplica(SimEngine):
     pool of bare slots) for one cache mode. Each request generates the answer its trace recorded."""
 
     def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
-                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None):
+                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None,
+                 shared: PrefixPool | None = None):
         page_size = default_page_size(cache) if page_size is None else page_size
         pool = KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu")
         # max_running: requests that may run at once (rows of the KV manager's request table);
         # None keeps the engine's default, which real-engine comparisons need
-        kv = make_kv_manager(cache, pool, DEFAULT_MAX_REQUESTS if max_running is None else max_running)
+        rows = DEFAULT_MAX_REQUESTS if max_running is None else max_running
+        if shared is None:
+            kv = make_kv_manager(cache, pool, rows)
+        elif cache == "radix":   # a pooled fleet: this replica's radix cache over the shared pool
+            kv = PooledRadixKV(pool, shared, rows)
+        else:
+            raise ValueError(f"A shared pool sits below the radix cache mode, not {cache!r}.")
         super().__init__(kv, FILLER_TOKEN, max_batch_tokens=max_batch_tokens, schedule=schedule)
         self.page_size = page_size
 
@@ -122,6 +134,8 @@ class FleetResult:
     output_tokens: int
     preemptions: int
     wall_s: float
+    loaded_tokens: int = 0    # cached tokens copied in from below the replicas' pools (a shared pool)
+    pool_tokens: int = 0      # capacity of the shared pool (0: none)
     per_replica: list[dict] = field(default_factory=list)
     router: dict = field(default_factory=dict)
     routes: dict = field(default_factory=dict)    # trace id -> replica it was sent to
@@ -133,7 +147,8 @@ class FleetResult:
     def summary(self) -> dict:
         """The fields `route --json` prints, plus the simulator's own cost."""
         row = {k: getattr(self, k) for k in self.SUMMARY}
-        row.update(cached_tokens=self.cached_tokens, makespan_s=self.makespan_s, preemptions=self.preemptions,
+        row.update(cached_tokens=self.cached_tokens, loaded_tokens=self.loaded_tokens, pool_tokens=self.pool_tokens,
+                   makespan_s=self.makespan_s, preemptions=self.preemptions,
                    sim_wall_s=round(self.wall_s, 3),
                    sim_requests_per_s=round(self.requests / self.wall_s, 1) if self.wall_s else None, **self.router)
         return row
@@ -219,6 +234,7 @@ class FleetLoop:
         self.stretch: list[Stretch | None] = [None] * n
         self.can_stretch = [fast_forward and hasattr(rep, "decode_stretch") for rep in replicas]
         self.last_computed = [rep.stats["computed_prefill_tokens"] for rep in replicas]
+        self.last_loaded = [self.loaded(rep) for rep in replicas]
         self.owner: dict[int, TraceRequest] = {}     # id(Request) -> its trace request, while it runs
         self.ttft: list[float] = []
         self.routes, self.outputs = {}, {}
@@ -269,7 +285,15 @@ class FleetLoop:
         decodes = sum(len(req.token_ids) - req.num_prompt_tokens > 1 for req in progressed)
         computed = rep.stats["computed_prefill_tokens"] - self.last_computed[i]
         self.last_computed[i] += computed
-        self.push_step(i, self.step_s(computed, decodes, context), progressed)
+        loaded = self.loaded(rep) - self.last_loaded[i]
+        self.last_loaded[i] += loaded
+        self.push_step(i, self.step_s(computed, decodes, context, loaded), progressed)
+
+    @staticmethod
+    def loaded(replica) -> int:
+        """Tokens the replica has loaded from below its pool so far (chapter 8's tier counters)."""
+        counters = replica.kv.counters()
+        return counters["loaded_from_host_tokens"] + counters["loaded_from_disk_tokens"]
 
     def push_step(self, i: int, duration: float, progressed: list | None) -> None:
         """Replica i is busy for `duration` seconds from now."""
@@ -360,7 +384,7 @@ class FleetLoop:
             ttft_p50_s=round(_percentile(self.ttft, 50), 4), ttft_p99_s=round(_percentile(self.ttft, 99), 4),
             throughput_tok_s=round(self.output_tokens / makespan, 1) if makespan else 0.0,
             makespan_s=round(makespan, 3), output_tokens=self.output_tokens, preemptions=total["preemptions"],
-            wall_s=wall_s, per_replica=per_replica, router=router, routes=self.routes, outputs=self.outputs)
+            wall_s=wall_s, loaded_tokens=sum(self.last_loaded), per_replica=per_replica, router=router, routes=self.routes, outputs=self.outputs)
 
 
 def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_model: TimeModel | None = None,
@@ -392,21 +416,42 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",
                    slots_per_replica: int = 16384, page_size: int | None = None, time_model: TimeModel | None = None,
                    max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int = 64,
-                   progress: bool = False, fast_forward: bool = True, **policy_options) -> FleetResult:
+                   progress: bool = False, fast_forward: bool = True, pool_tokens: int = 0,
+                   **policy_options) -> FleetResult:
     """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy.
     page_size: tokens per page of each replica's pool (default: the cache mode's). max_running:
     requests a replica runs at once (each holds a row of max context length: memory grows with it).
-    fast_forward: see `run_fleet` (the same result either way, only faster)."""
+    fast_forward: see `run_fleet` (the same result either way, only faster). pool_tokens > 0: a
+    pooled fleet, one shared `PrefixPool` of that many tokens below every replica's radix cache
+    (`kvlearn.routing.pooled`); a time model without a load cost of its own then charges
+    POOL_LOAD_S_PER_TOKEN per token loaded. The run uses one torch thread (its tensors are a few
+    thousand slots, where a second thread only waits), and restores the setting after."""
+    import torch
+
     from kvlearn.routing.policies import make_policy
 
     check_positive_int("num_replicas", num_replicas, " (replicas in the fleet)")
     check_positive_int("slots_per_replica", slots_per_replica, " (KV slots per replica)")
+    check_int("pool_tokens", pool_tokens, what=" (tokens of the shared pool; 0: none)")
     if cache not in CACHE_MODES:
         raise ValueError(f"Unknown cache {cache!r}: choose one of {', '.join(CACHE_MODES)}.")
     if policy == "cache_aware":   # by default the router's guess of a replica is as big as its pool
         policy_options.setdefault("max_tree_pages", slots_per_replica // policy_options.get("tree_page_size", 16) or 1)
     if isinstance(policy, str):
         policy = make_policy(policy, num_replicas, **policy_options)
-    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_running)
+    time_model = time_model or default_time_model()
+    shared = None
+    if pool_tokens:
+        shared = PrefixPool(pool_tokens, default_page_size(cache) if page_size is None else page_size)
+        if not time_model.load_s_per_token:
+            time_model = replace(time_model, load_s_per_token=POOL_LOAD_S_PER_TOKEN)
+    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_running, shared)
                 for _ in range(num_replicas)]
-    return run_fleet(trace, policy, replicas, time_model, progress=progress, fast_forward=fast_forward)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run_fleet(trace, policy, replicas, time_model, progress=progress, fast_forward=fast_forward)
+    finally:
+        torch.set_num_threads(threads)
+    result.pool_tokens = pool_tokens
+    return result

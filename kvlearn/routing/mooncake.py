@@ -15,9 +15,12 @@ line puts after a different id (ids are prefix hashes: an id has one predecessor
 
 Ids are renumbered densely in order of first appearance (`MooncakeRequest.blocks`). For the
 token-level structures (`trace_requests`, what `read_trace` and `route` use), block `b` becomes
-the page of `block_size` token ids `FIRST_TOKEN_ID + b * block_size + j` that no other block
-shares, so every kvlearn cache sees exactly the trace's prefix sharing, and a prompt is its
-blocks' pages with the last one cut to `input_length`. A request keeps its arrival (s) and
+a page of `block_size` token ids: first `FIRST_TOKEN_ID + 1 + b`, its own, then `FIRST_TOKEN_ID`
+repeated (the same filler in every page), and a prompt is its blocks' pages with the last one cut
+to `input_length`. Every kvlearn cache matches prefixes, and two prompts' token ids part exactly at
+the first token of the first block where their ids differ, so every cache sees exactly the trace's
+prefix sharing. The filler costs nothing per block: a prompt's parts are its blocks' one-token
+heads and one shared tuple of fillers (145 M prompt tokens of the conversation trace in a few MB). A request keeps its arrival (s) and
 output length (`max_new_tokens`, at least 1). The bundled traces: `mooncake_trace_path(name)`.
 """
 
@@ -72,21 +75,19 @@ class MooncakeTrace:
                 f"{self.num_blocks:,} blocks of {self.block_size})")
 
     def trace_requests(self) -> list[TraceRequest]:
-        """The requests as chapter 7's `TraceRequest`s: block `b` is the page of token ids
-        `FIRST_TOKEN_ID + b * block_size + j`, built once and shared by every prompt holding it."""
-        size, pages = self.block_size, {}
-
-        def page(b: int) -> tuple[int, ...]:
-            if b not in pages:
-                start = FIRST_TOKEN_ID + b * size
-                pages[b] = tuple(range(start, start + size))
-            return pages[b]
-
+        """The requests as chapter 7's `TraceRequest`s (see the module docstring): block `b` is the
+        parts `(FIRST_TOKEN_ID + 1 + b,)` and `block_size - 1` fillers, each built once and shared
+        by every prompt holding it."""
+        size = self.block_size
+        fill = (FIRST_TOKEN_ID,) * (size - 1)
+        heads = [(FIRST_TOKEN_ID + 1 + b,) for b in range(self.num_blocks)]
         out = []
         for r in self.requests:
-            parts = tuple(map(page, r.blocks))
-            parts = parts[:-1] + (parts[-1][:r.input_length - (len(parts) - 1) * size],)
-            out.append(TraceRequest(f"line{r.line}", r.arrival, parts, max(r.output_length, 1), line=r.line))
+            parts = [p for b in r.blocks for p in (heads[b], fill)]
+            tail = r.input_length - (len(r.blocks) - 1) * size - 1   # fillers of the last, maybe partial, block
+            parts[-1] = fill[:tail]
+            out.append(TraceRequest(f"line{r.line}", r.arrival, tuple(p for p in parts if p),
+                                    max(r.output_length, 1), line=r.line))
         return out
 
 

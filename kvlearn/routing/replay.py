@@ -4,20 +4,20 @@
     python -m kvlearn replay --trace my_traffic.jsonl.gz --page-size 16 --policy lfu
 
 The requests go in arrival order, one at a time (no timing, no batching: "only the sequence of
-requests", as the Mooncake paper's Figure 9), through chapter 3's `RadixCache`: match the prompt,
-insert its whole pages, and while the tree holds more than the capacity, evict leaves (least
-recently used first, or `--policy lfu`) with the request's own path locked; a prompt larger than
-the whole cache then loses its own deepest pages too, so between requests the tree never holds
-more than `capacity_tokens // page_size` pages. Hit rate = cached prompt tokens / prompt tokens.
+requests", as the Mooncake paper's Figure 9), through one `PrefixPool` (chapter 3's radix tree,
+`kvlearn.routing.pooled`): match the prompt, insert its whole pages, and while the tree holds more
+than the capacity, evict leaves (least recently used first, or `--policy lfu`) with the request's
+own path locked; a prompt larger than the whole cache then loses its own deepest pages too, so
+between requests the tree never holds more than `capacity_tokens // page_size` pages. Hit rate = cached prompt tokens / prompt tokens.
 `--trace` takes a file or a bundled trace's name (conversation, synthetic).
 
 Why it is fast (a page is one key; nothing per token in Python). Token-level, the prompt of a
-request is its blocks' token ids (`kvlearn.routing.mooncake`: block b holds B token ids of its
-own, the j-th of them b*B + j plus an offset), cut to `input_length`, in a RadixCache with pages of P tokens, which holds
+request is its blocks' token ids (`kvlearn.routing.mooncake`: block b is B token ids, the first
+its own), cut to `input_length`, in a RadixCache with pages of P tokens, which holds
 only the first floor(L / P) pages of a prompt of L tokens. Cut every prompt into units of
-g = gcd(P, B) tokens: a unit never straddles a block or a page boundary, and two prompts agree on
-a unit exactly when they agree on its block, so the unit (b, i) (i-th unit of block b) can stand
-for its g tokens as the single key b * (B / g) + i. The tree over unit keys with pages of P / g
+g = gcd(P, B) tokens: a unit never straddles a block or a page boundary, and two prompts that
+agree up to a unit agree on it exactly when they agree on its block, so the unit (b, i) (i-th
+unit of block b) can stand for its g tokens as the single key b * (B / g) + i. The tree over unit keys with pages of P / g
 units is then the token tree with each edge's tokens grouped g at a time: the same nodes, the same
 splits (they fall on page boundaries, which are unit boundaries), the same clock (one tick per
 match or insert call, whatever the lengths) and so the same evictions, every length divided by g.
@@ -35,19 +35,23 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-import torch
 
 from kvlearn.errors import check_positive_int
-from kvlearn.radix import EVICTION_POLICIES, RadixCache
+from kvlearn.radix import EVICTION_POLICIES
 from kvlearn.routing.mooncake import BLOCK_SIZE, BUNDLED, MooncakeTrace, mooncake_trace_path, read_mooncake
+from kvlearn.routing.pooled import PrefixPool
 
 # The Mooncake paper (FAST'25) on its traces: Table 2's cache ratio (the hit rate of an unbounded
 # cache), and Figure 9: a 3M-token cache stays below half of that in most workloads, 50M tokens
 # nearly reach it.
 PAPER_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 PAPER_LOCAL_CACHE_TOKENS = 3_000_000
+# Its Figure 10: ten prefill nodes of 3M tokens each, one global (pooled) cache against local caches
+# with the paper's cache-aware scheduling: the pooled hit rate is this many times the local one.
+PAPER_POOLED_GAIN = {"conversation": 2.22, "synthetic": 2.36}
 # 1e4 .. 1e9 tokens: one a decade, and 3M (the paper's local cache) and 30M, where the curves bend
 FIGURE9_CAPACITIES = (10**4, 10**5, 10**6, PAPER_LOCAL_CACHE_TOKENS, 10**7, 3 * 10**7, 10**8, 10**9)
 
@@ -99,22 +103,15 @@ def replay(trace: MooncakeTrace, capacity_tokens: int | None = None, page_size: 
                                         or capacity_tokens < 0):
         raise ValueError(f"capacity_tokens must be an int >= 0 or None (unbounded), got {capacity_tokens!r}.")
     g, keys = unit_keys(trace, page_size) if keys is None else keys
-    cache = RadixCache(page_size=page_size // g, eviction_policy=eviction_policy)
-    limit = math.inf if capacity_tokens is None else capacity_tokens // page_size * (page_size // g)  # in units
-    slots = torch.zeros(max(map(len, keys)), dtype=torch.int64)  # the tree needs values; nothing reads them
-    cached = evicted = 0
+    units = None if capacity_tokens is None else capacity_tokens // page_size * (page_size // g)
+    cache = PrefixPool(units, page_size // g, eviction_policy)   # a pool of units: every count / g
+    cached = 0
     start = time.perf_counter()
     for key in keys:
-        cached += len(cache.match_prefix(key))
-        _, path = cache.insert_prefix(key, slots[:len(key)])
-        if cache.total_size > limit:
-            cache.lock(path.last_node)                    # the request's own path stays
-            evicted += cache.evict(cache.total_size - limit)
-            cache.unlock(path.last_node)
-            if cache.total_size > limit:                  # the prompt alone outgrows the cache
-                evicted += cache.evict(cache.total_size - limit)
-    return ReplayResult(capacity_tokens, cache.eviction_policy, page_size, len(keys), trace.prompt_tokens,
-                        cached * g, evicted * g, time.perf_counter() - start)
+        cached += cache.lookup(key)
+        cache.store(key)
+    return ReplayResult(capacity_tokens, cache.tree.eviction_policy, page_size, len(keys), trace.prompt_tokens,
+                        cached * g, cache.evicted_tokens * g, time.perf_counter() - start)
 
 
 def hit_rate_curve(trace: MooncakeTrace, capacities=FIGURE9_CAPACITIES, page_size: int | None = None,
@@ -150,6 +147,25 @@ def figure9(names=tuple(BUNDLED), capacities=FIGURE9_CAPACITIES) -> dict[str, li
         trace = read_mooncake(mooncake_trace_path(name))
         curves[name] = hit_rate_curve(trace, tuple(capacities) + (None,))
     return curves
+
+
+FIGURE10_RESULTS = Path(__file__).parent / "data" / "figure10.json"
+
+
+def figure10_results() -> dict:
+    """The Mooncake paper's Figure 10 as kvlearn ran it, committed because the runs take minutes
+    (`data/figure10.json`): {"command": the `route` command, "runs": {trace: its `--json` rows}},
+    one row per local-cache policy, then the pooled fleet's (`pool_tokens` > 0).
+
+    What a pooled cache is worth over local caches depends on the router (hit rates; one LRU cache
+    of the fleet's 30M tokens that sees every request, for scale):
+
+        trace          round_robin  cache_aware  pooled (least_load)  one 30M cache   paper
+        conversation   10.7 %       35.9 %       36.6 % (3.44x, 1.02x)  36.6 %        2.22x
+        synthetic      17.1 %       64.7 %       65.0 % (3.79x, 1.00x)  65.0 %        2.36x
+
+    See chapter 7, section 10."""
+    return json.loads(FIGURE10_RESULTS.read_text(encoding="utf-8"))
 
 
 def tail_bound(trace: MooncakeTrace) -> float:

@@ -5,18 +5,23 @@ one forward pass. Its time is modelled as
 
     step_s = overhead_s + prefill_s_per_token * prefill_tokens
                         + decode_s_per_seq * decode_seqs + attention_s_per_context_token * context_tokens
+                        + load_s_per_token * loaded_tokens
 
 where context_tokens is the sum, over the batch's requests, of the tokens each one attends to
-(its whole context). The coefficients are measured on the real model by `calibrate()` (least
-squares over timed forward passes, the fastest of several rounds) and stored as a small JSON file; `default_time_model()` reads
-the one committed with kvlearn, measured on the machine the course was built on.
+(its whole context), and loaded_tokens the cached tokens the step's admissions copied in from
+below the replica's pool (a shared pool, `kvlearn.routing.pooled`; 0 by default). The first four
+coefficients are measured on the real model by `calibrate()` (least squares over timed forward
+passes, the fastest of several rounds) and stored as a small JSON file; `default_time_model()`
+reads the one committed with kvlearn, measured on the machine the course was built on.
+`faster(k)` is a what-if: every compute coefficient divided by k (loading is I/O: unchanged).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvlearn.errors import check_positive_int
@@ -33,16 +38,29 @@ class TimeModel:
     decode_s_per_seq: float
     attention_s_per_context_token: float
     measured_on: str = ""
+    load_s_per_token: float = 0.0
+
+    COMPUTE = ("overhead_s", "prefill_s_per_token", "decode_s_per_seq", "attention_s_per_context_token")
 
     def __post_init__(self):
-        for name in ("overhead_s", "prefill_s_per_token", "decode_s_per_seq", "attention_s_per_context_token"):
+        for name in self.COMPUTE + ("load_s_per_token",):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"TimeModel.{name} must be a number >= 0, got {value!r}.")
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, loaded_tokens: int = 0) -> float:
         return (self.overhead_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
-                + self.attention_s_per_context_token * context_tokens)
+                + self.attention_s_per_context_token * context_tokens + self.load_s_per_token * loaded_tokens)
+
+    def faster(self, k: float) -> TimeModel:
+        """A what-if: replicas `k` times faster at computing (every compute coefficient / k; loading
+        unchanged), e.g. to stand for GPU replicas where the measured CPU ones cannot keep up."""
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k < math.inf:
+            raise ValueError(f"k must be a number > 0, got {k!r}.")
+        if k == 1:
+            return self
+        return replace(self, **{name: getattr(self, name) / k for name in self.COMPUTE},
+                       measured_on=f"{self.measured_on}; compute {k:g}x faster (what-if)")
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -62,7 +80,8 @@ class TimeModel:
     def __repr__(self) -> str:
         return (f"TimeModel({self.overhead_s * 1e3:.2f} ms/step + {self.prefill_s_per_token * 1e3:.3f} ms/prefill token + "
                 f"{self.decode_s_per_seq * 1e3:.3f} ms/decode seq + {self.attention_s_per_context_token * 1e6:.3f} "
-                f"us/context token)")
+                f"us/context token" + (f" + {self.load_s_per_token * 1e6:.1f} us/loaded token" if self.load_s_per_token
+                                       else "") + ")")
 
 
 def default_time_model() -> TimeModel:

@@ -276,24 +276,59 @@ def tenant_of(req: TraceRequest) -> str | None:
 
 
 def unique_token_floor(requests) -> int:
-    """Distinct token prefixes over the trace's prompts (chapter 6's floor, counted over prompts only).
+    """The fewest prompt tokens any fleet of caches computes for the trace (chapter 6's floor,
+    with the answers that later turns resend taken out).
 
-    Each distinct prompt prefix is computed at least once *unless an earlier request generated it*:
-    KV computed during decode is cached too, so when a session's next turn resends the previous
-    turn's answer (`TraceRequest.answer`), a replica that kept it computes those prompt tokens zero
-    times, and a policy can compute fewer prompt tokens than this floor. It is a floor for traces
-    whose prompts contain no earlier output (no answers recorded).
+    A prompt token's K and V come from a prefill, or from a cache that got them earlier: from an
+    earlier prompt with the same prefix, or from the decode of an earlier request. A session's
+    next turn resends the previous turn's answer (`TraceRequest.answer`), and the previous turn
+    computed the K and V of all of it but its last token while decoding (the last is sampled and
+    never fed back), so a replica that kept them computes none of those prompt tokens. The floor
+    is therefore the distinct prompt prefixes (each computed at least once), less, for each
+    request, the tokens of its answer (at most max_new_tokens - 1) that its session's next turn
+    resends right after its prompt (`resent_answer`). Never above what a policy computes; exact
+    when no two requests have equal prompts and answers (both would be taken out).
 
-    Prompts are walked as paths of shared parts; below each path the distinct prefixes of the
-    next parts are counted with chapter 6's sorted-prefix method. Exact when sibling parts are
-    never one the other's prefix (true of parsed traces, whose prompts are single parts, and of
-    generated ones, whose parts are random and long)."""
+    Prompts are walked as a tree of shared parts (one node per distinct path of part objects);
+    below each node the distinct prefixes of the next parts are counted with chapter 6's
+    sorted-prefix method. Exact when sibling parts are never one the other's prefix, or when such
+    siblings end their prompts (true of parsed traces, whose prompts are single parts, of generated
+    ones, whose parts are random and long, and of Mooncake traces, whose blocks open with their
+    own token id)."""
     from kvlearn.serving.workloads import unique_token_floor as floor_of
 
-    children: dict[tuple, dict[int, tuple]] = {}
+    root: dict[int, tuple] = {}       # id(part) -> (part, the children of the path ending with it)
+    nodes = [root]
+    previous: dict[str, TraceRequest] = {}   # session -> its latest turn so far
+    resent = 0
     for req in requests:
-        path = ()
+        node = root
         for part in req.parts:
-            children.setdefault(path, {})[id(part)] = part
-            path = path + (id(part),)
-    return sum(floor_of(list(parts.values())) for parts in children.values())
+            entry = node.get(id(part))
+            if entry is None:
+                entry = node[id(part)] = (part, {})
+                nodes.append(entry[1])
+            node = entry[1]
+        if req.session is not None:
+            if req.session in previous:
+                resent += resent_answer(previous[req.session], req)
+            previous[req.session] = req
+    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1 else floor_of([part for part, _ in node.values()])
+                   for node in nodes if node)
+    return distinct - resent
+
+
+def resent_answer(turn: TraceRequest, later: TraceRequest) -> int:
+    """Tokens of `turn`'s answer whose K and V its decode computed (all but the last sampled token)
+    and that `later` resends right after `turn`'s prompt."""
+    fed_back = turn.answer[:turn.max_new_tokens - 1]
+    if not fed_back:
+        return 0
+    k = len(turn.parts)
+    if later.parts[:k] == turn.parts and later.parts[k:k + 1] == (turn.answer,):
+        return len(fed_back)       # a generated trace: the answer is the next part, the same object
+    n, ids = turn.num_prompt_tokens, later.prompt_ids
+    if ids[:n] != turn.prompt_ids:
+        return 0
+    head = ids[n:n + len(fed_back)]
+    return next((i for i, (a, b) in enumerate(zip(head, fed_back)) if a != b), len(head))

@@ -58,7 +58,7 @@ class NoCacheKV(SlotKV):
         return 0
 
 
-class _RequestTree(RadixCache):
+class RequestTree(RadixCache):
     """RadixKV's tree. Its keys are requests' token ids, checked once when each `Request` was made
     (and tokens the sampler appended), so it does not check every id again on each call: on a
     thousand-token prompt that check costs more than the walk. Any other key is checked as usual."""
@@ -80,7 +80,7 @@ class RadixKV(SlotKV):
 
     def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, radix_cache=None):
         super().__init__(pool, max_requests)
-        self.tree = (radix_cache or _RequestTree)(page_size=pool.page_size, evict_callback=pool.free,
+        self.tree = (radix_cache or RequestTree)(page_size=pool.page_size, evict_callback=pool.free,
                                                   device=pool.device)
         self._evicted = 0
 
