@@ -7,6 +7,7 @@ A part is a class with the contract of the package's own, built with the same ar
 | "block_manager" | kvlearn.BlockManager (ch. 1-2)     | BlockManagerPart   | BlockManagerBase              |
 | "radix_cache"   | kvlearn.RadixCache (ch. 3)         | RadixCachePart     | RadixCacheBase                |
 | "allocator"     | kvlearn.allocator.PageAllocator (ch. 4) | AllocatorPart | AllocatorBase                 |
+| "attention"     | kvlearn.attention.paged_attention (ch. 5), a function | AttentionPart | (none)     |
 
 `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
 serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
@@ -15,15 +16,18 @@ inherit from the package's finished class; the bases hold only what the chapter 
 """
 
 from kvlearn.allocator import PageAllocator
+from kvlearn.attention import paged_attention
 from kvlearn.blocks import BlockManager
 from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
+from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart
 from kvlearn.parts.conformance import CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.radix import RadixCache
 
-# Each part's name -> the package's own class of that name (what a missing part is).
-PARTS = {"block_manager": BlockManager, "radix_cache": RadixCache, "allocator": PageAllocator}
+# Each part's name -> the package's own class (for "attention", function) of that name (what a missing part is).
+PARTS = {"block_manager": BlockManager, "radix_cache": RadixCache, "allocator": PageAllocator,
+         "attention": paged_attention}
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "BlockManagerPart",
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockManagerPart",
            "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode"]
