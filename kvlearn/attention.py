@@ -124,7 +124,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     form transformers calls: query [1, heads, T, head_dim], key and value [1, kv_heads, T, head_dim];
     returns ([1, T, heads, head_dim], None)."""
     out = attention_fn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          module.layer_idx, kv_pool, attn_metadata, scaling)
+                       module.layer_idx, kv_pool, attn_metadata, scaling)
     return out.unsqueeze(0), None
 
 
