@@ -18,7 +18,9 @@ It plugs into transformers through its public extension points: the function is 
 `AttentionInterface` under `ATTN_IMPLEMENTATION`, and the same name maps to a mask builder that
 returns None in `AttentionMaskInterface` (the mask is ours, built once per step in
 `AttentionMetadata`). The pool and the metadata arrive as extra keyword arguments of the model's
-forward, which transformers hands through to every attention call.
+forward, which transformers hands through to every attention call; so does `attention_fn`, the
+function that does the work in every layer (`paged_attention` unless the runner was given another,
+`kvlearn.parts.AttentionPart`).
 """
 
 from __future__ import annotations
@@ -117,11 +119,12 @@ def _gather(cache: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                            kv_pool, attn_metadata: AttentionMetadata, **kwargs):
-    """`paged_attention` in the form transformers calls: query [1, heads, T, head_dim], key and
-    value [1, kv_heads, T, head_dim]; returns ([1, T, heads, head_dim], None)."""
-    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          module.layer_idx, kv_pool, attn_metadata, scaling)
+                            kv_pool, attn_metadata: AttentionMetadata, attention_fn=paged_attention, **kwargs):
+    """`paged_attention` (or `attention_fn`, a function with its signature: a learner's part) in the
+    form transformers calls: query [1, heads, T, head_dim], key and value [1, kv_heads, T, head_dim];
+    returns ([1, T, heads, head_dim], None)."""
+    out = attention_fn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                       module.layer_idx, kv_pool, attn_metadata, scaling)
     return out.unsqueeze(0), None
 
 

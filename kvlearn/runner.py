@@ -10,6 +10,11 @@ runs and puts the previous one back afterwards, even on error, so `model.generat
 Switching walks every module, so a caller that runs many steps opens one session
 (`with runner.active(): ...`) and the steps inside it switch nothing.
 
+A caller may hand the runner another attention function (`attention`, with the signature of
+`kvlearn.attention.paged_attention`: a learner's part, `kvlearn.parts.AttentionPart`): it travels
+to every layer as an extra keyword argument of the model's forward, beside the pool and the
+metadata, so nothing registered with transformers changes.
+
 A caller may hand the runner another forward for the same step (`model_forward`): the engine's
 fast path (chapter 6) passes `kvlearn.fast.FastLlama(model).forward`, its own packed copy of the
 weights. The runner then calls that instead of the model and never touches the model's attention
@@ -22,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvlearn.attention import AttentionMetadata, register
+from kvlearn.attention import AttentionMetadata, paged_attention, register
 from kvlearn.errors import check_positive_int
 from kvlearn.memory import get_config
 from kvlearn.pool import KVPool
@@ -36,9 +41,13 @@ class ModelRunner:
     of every sequence in one row, `query_lens[i]` of them sequence i's, `kv_indices` as in `forward`;
     it writes the new K/V into the pool and returns [num_seqs, vocab] float logits of each sequence's
     last new token, as the model would (the engine's fast path: `kvlearn.fast.FastLlama(model).forward`).
+
+    attention: None for `kvlearn.attention.paged_attention`, or a function with its signature and
+    contract that every layer calls instead (`kvlearn.parts.AttentionPart`); not with `model_forward`,
+    which computes attention its own way.
     """
 
-    def __init__(self, model, pool: KVPool, model_forward=None):
+    def __init__(self, model, pool: KVPool, model_forward=None, attention=None):
         if not isinstance(pool, KVPool):
             raise TypeError(f"pool must be a kvlearn.KVPool, got {type(pool).__name__}.")
         shape = get_config(model.config)
@@ -49,7 +58,13 @@ class ModelRunner:
                              f"{expected}: build it with KVPool.for_model(model.config, ...).")
         if pool.kv.device != model.device:
             raise ValueError(f"Pool is on {pool.kv.device} but the model is on {model.device}: put both on one device.")
+        if attention is not None and not callable(attention):
+            raise TypeError(f"attention must be a function like kvlearn.attention.paged_attention, got "
+                            f"{type(attention).__name__}.")
+        if attention is not None and model_forward is not None:
+            raise ValueError("Give attention or model_forward, not both: model_forward computes attention its own way.")
         self.model, self.pool = model, pool
+        self.attention = paged_attention if attention is None else attention
         self.vocab_size = model.config.vocab_size
         self.attn_implementation = register()
         self.model_forward = model_forward
@@ -93,7 +108,8 @@ class ModelRunner:
         md = AttentionMetadata.build(query_lens, kv_indices, device=self.pool.device)
         with torch.no_grad(), self.active():  # a no-op inside the caller's session
             out = self.model(input_ids=ids[None], position_ids=md.positions[None], use_cache=False,
-                             logits_to_keep=md.last_token, kv_pool=self.pool, attn_metadata=md)
+                             logits_to_keep=md.last_token, kv_pool=self.pool, attn_metadata=md,
+                             attention_fn=self.attention)
         return out.logits[0].float()
 
     def _check(self, input_ids, kv_indices) -> list[torch.Tensor]:
@@ -132,6 +148,8 @@ class ModelRunner:
     def __repr__(self) -> str:
         forward = "" if self.model_forward is None else \
             f", model_forward={getattr(self.model_forward, '__qualname__', type(self.model_forward).__name__)}"
+        if self.attention is not paged_attention:
+            forward += f", attention={getattr(self.attention, '__qualname__', type(self.attention).__name__)}"
         return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{forward})"
 
 

@@ -38,7 +38,7 @@ def part_cells(nb) -> list[tuple[str, str, str]]:
 
 def run_parts(version: str) -> list[tuple[str, object]]:
     """Save and run every part cell of the chapters (instructor or student version) in order, in the
-    current folder; returns (part name, the class check_part gets)."""
+    current folder; returns (part name, the class or function check_part gets)."""
     parts = []
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
@@ -60,7 +60,9 @@ def test_instructor_solutions_pass_check(tmp_path, monkeypatch, capsys):
     parts = run_parts("instructor")
     assert parts
     for name, impl in parts:
-        assert not issubclass(impl, PARTS[name]), f"{name}: a part never inherits the package's finished class"
+        package = PARTS[name]
+        assert impl is not package and not (isinstance(impl, type) and issubclass(impl, package)), \
+            f"{name}: a part never is, nor inherits, the package's finished one"
         report = check(name, impl)
         assert report.passed, report.message
     assert "(building on your MyBlockTable from my_parts/block_table.py" in capsys.readouterr().out

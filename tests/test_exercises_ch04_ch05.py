@@ -26,12 +26,6 @@ def test_ch04_freed_slots():
     assert not ch04.check_freed_slots(...)
 
 
-def build_mask(query_lens, kv_lens):
-    mask = torch.zeros(len(query_lens), max(query_lens), max(kv_lens), dtype=torch.bool)
-    for b, (q, n) in enumerate(zip(query_lens, kv_lens)):
-        for i in range(q):
-            mask[b, i, : n - q + i + 1] = True
-    return mask
 
 
 def chunk_step(slots, start, end):
@@ -48,21 +42,3 @@ def test_ch05_chunk():
     assert not ch05.check_chunk(lambda s, a, b: (*chunk_step(s, a, b)[:2], torch.ones(b - a, b - a).tril().bool()))
     assert not ch05.check_chunk(lambda s, a, b: None)  # a stub
     assert not ch05.check_chunk(lambda s, a, b: 7)
-
-
-def test_ch05_mask():
-    assert ch05.check_mask(build_mask)
-    assert not ch05.check_mask(lambda q, n: torch.ones(len(q), max(q), max(n), dtype=torch.bool))
-    assert not ch05.check_mask(lambda q, n: build_mask(q, n).tolist())
-
-
-def test_ch05_tokens_to_compute():
-    def to_compute(cached, prompt):
-        common = 0
-        while common < min(len(cached), len(prompt)) and cached[common] == prompt[common]:
-            common += 1
-        return len(prompt) - min(common, len(prompt) - 1)
-
-    assert ch05.check_tokens_to_compute(to_compute)
-    assert not ch05.check_tokens_to_compute(lambda cached, prompt: len(prompt) - sum(
-        1 for a, b in zip(cached, prompt) if a == b))  # a full hit would compute nothing

@@ -1,6 +1,6 @@
 """Parts: the learner's code inside the engine.
 
-A part is a class with the contract of the package's own, built with the same arguments:
+A part is a class (for "attention", a function) with the contract of the package's own, built with the same arguments:
 
 | name            | the package's                            | contract         | base for untaught bookkeeping |
 |-----------------|------------------------------------------|------------------|-------------------------------|
@@ -8,6 +8,7 @@ A part is a class with the contract of the package's own, built with the same ar
 | "block_manager" | kvlearn.BlockManager (ch. 1-2)           | BlockManagerPart | BlockManagerBase              |
 | "radix_cache"   | kvlearn.RadixCache (ch. 3)               | RadixCachePart   | RadixCacheBase                |
 | "allocator"     | kvlearn.allocator.PageAllocator (ch. 4)  | AllocatorPart    | AllocatorBase                 |
+| "attention"     | kvlearn.attention.paged_attention (ch. 5)| AttentionPart    | (none: a function)            |
 
 `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
 serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
@@ -19,17 +20,19 @@ block table with `enable_prefix_caching=False`.
 """
 
 from kvlearn.allocator import PageAllocator
+from kvlearn.attention import paged_attention
 from kvlearn.blocks import BlockManager
 from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
+from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.radix import RadixCache
 
-# Each part's name -> the package's own class of that name (what a missing part is; "block_table" is
-# BlockManager built with enable_prefix_caching=False).
+# Each part's name -> the package's own class (for "attention", function) of that name (what a missing
+# part is; "block_table" is BlockManager built with enable_prefix_caching=False).
 PARTS = {"block_table": BlockManager, "block_manager": BlockManager, "radix_cache": RadixCache,
-         "allocator": PageAllocator}
+         "allocator": PageAllocator, "attention": paged_attention}
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "BlockTablePart", "BlockManagerPart",
-           "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode"]
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
+           "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode"]

@@ -28,8 +28,10 @@ import time
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvlearn.parts import suite_allocator, suite_block_manager, suite_block_table, suite_radix_cache
+from kvlearn.parts import (suite_allocator, suite_attention, suite_block_manager, suite_block_table,
+                           suite_radix_cache)
 from kvlearn.parts.allocator import AllocatorPart
+from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerPart, BlockTablePart
 from kvlearn.parts.radix_cache import RadixCachePart
 from kvlearn.parts.trace import Broken, Raised, Trace
@@ -47,6 +49,7 @@ SUITES = {
     "block_manager": Suite(suite_block_manager, BlockManagerPart, "chapters 1-2"),
     "radix_cache": Suite(suite_radix_cache, RadixCachePart, "chapter 3"),
     "allocator": Suite(suite_allocator, AllocatorPart, "chapter 4"),
+    "attention": Suite(suite_attention, AttentionPart, "chapter 5"),
 }
 
 
@@ -81,7 +84,8 @@ def contract_members(contract: type) -> list[str]:
 
 def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed: int = 0) -> CheckReport:
     """Run the conformance suite of part `name` (a key of `SUITES`: "block_table", "block_manager", ...) on
-    `impl`, the part's class (built with the same arguments as the package's). `time_limit_s`:
+    `impl`, the part's class (built with the same arguments as the package's) or, for "attention", its
+    function. `time_limit_s`:
     the most all programs may take together (a part still running then fails). Never raises
     because of the part; ValueError for an unknown `name`."""
     if name not in SUITES:
@@ -90,7 +94,8 @@ def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed
     label = getattr(impl, "__name__", repr(impl))
     head = f"{label} does not meet the {name} contract ({suite.chapter}, kvlearn.parts.{suite.contract.__name__})."
     if not callable(impl):
-        return CheckReport(name, label, False, f"{head}\nGive the part's class (built like the package's), "
+        return CheckReport(name, label, False, f"{head}\nGive the part's class (built like the package's; for "
+                                               f"attention, the function), "
                                                f"not {type(impl).__name__} {impl!r}.")
     if inspect.isclass(impl):
         missing = [m for m in contract_members(suite.contract) if not _has(impl, m)]

@@ -1,15 +1,18 @@
-"""Brute-force references that judge a part: they know nothing of nodes, heaps or hashes.
+"""Brute-force references that judge a part: they know nothing of nodes, heaps, hashes or padding.
 
 Each one keeps the state a chapter's structure stands for as plain Python data (dicts of token
 prefixes, sets of pages) and says what every call must return. Where the chapter leaves a choice
 open (which free page, which of several blocks freed at the same moment), the reference takes the
-part's choice once it has checked it is one of the allowed ones, and goes on from there. Used by
+part's choice once it has checked it is one of the allowed ones, and goes on from there. Attention
+(chapter 5) is computed one query at a time, its keys read slot by slot. Used by
 `kvlearn.parts.check` and by the package's own property tests (tests/test_*_state_machine.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+
+import torch
 
 
 class RadixReference:
@@ -238,3 +241,27 @@ class BlockReference:
         self.evicted_blocks += len(self.cached)
         n, self.cached = len(self.cached) * self.bs, {}
         return n
+
+
+def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int], contexts: list[list[int]],
+                        scale: float, *, causal: bool = True, grouped: bool = True):
+    """Paged attention one query at a time, in float64. `k_rows[slot]`, `v_rows[slot]`: one layer's
+    [kv_heads, head_dim] K and V at that slot (the new tokens' already written); `contexts[b]`: the
+    slots of sequence b's whole context, its new tokens the last `query_lens[b]`. New token t of
+    sequence b sits at position len(contexts[b]) - query_lens[b] + t and sees positions 0 .. that
+    one (all of them when not `causal`); query head h reads KV head h // (heads // kv_heads) (when
+    not `grouped`: h % kv_heads, the wrong mapping). Returns [T, heads, head_dim] in packed order."""
+    heads = query.shape[1]
+    out, t = [], 0
+    for q_len, context in zip(query_lens, contexts):
+        for i in range(q_len):
+            seen = context[:len(context) - q_len + i + 1] if causal else context
+            k = torch.stack([k_rows[s] for s in seen]).double()        # [keys, kv_heads, head_dim]
+            v = torch.stack([v_rows[s] for s in seen]).double()
+            kv_heads = k.shape[1]
+            kv_of = [h // (heads // kv_heads) if grouped else h % kv_heads for h in range(heads)]
+            k, v = k[:, kv_of], v[:, kv_of]                              # [keys, heads, head_dim]
+            weights = torch.softmax(torch.einsum("hd,khd->hk", query[t].double(), k) * scale, dim=-1)
+            out.append(torch.einsum("hk,khd->hd", weights, v))
+            t += 1
+    return torch.stack(out)

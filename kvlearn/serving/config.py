@@ -20,7 +20,8 @@ from kvlearn.serving.scheduler import SCHEDULES
 
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
 # The parts a learner may hand the engine (kvlearn.parts), and the cache mode each one serves.
-PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES}
+PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES,
+              "attention": CACHE_MODES}
 
 
 @dataclass
@@ -35,7 +36,9 @@ class EngineConfig:
     parts: dict = field(default_factory=dict)  # learners' classes by part name (kvlearn.parts), built with the same
                                          # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
                                          # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
-                                         # PageAllocator); a part not given is the package's own
+                                         # PageAllocator), "attention" (a function like kvlearn.attention.
+                                         # paged_attention; the plain path serves it, never fast); a part
+                                         # not given is the package's own
 
     # --- the scheduler (chapter 6) ---
     max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)
@@ -47,7 +50,8 @@ class EngineConfig:
     plain_text: bool = False             # tokenize string prompts as plain text, so a typed `<|im_start|>` cannot
                                          # forge a chat turn (by default it becomes the control token, as in transformers)
     fast: bool = False                   # run the model through the engine's packed copy of the weights (kvlearn.fast:
-                                         # the same tokens, several times faster on CPU, the model's size again in memory)
+                                         # the same tokens, several times faster on CPU, the model's size again in memory;
+                                         # it has its own attention, so with parts["attention"] the plain path runs)
 
     # --- tiers below the pool (chapter 8; "radix" only; with host_slots and disk_dir None there are none) ---
     host_slots: int | None = None        # tokens of KV a host pool holds

@@ -65,6 +65,8 @@ class Engine:
     `Engine(model, tokenizer, config)` with an `EngineConfig`, or keyword options that are its
     fields (`Engine(model, tokenizer, cache="blocks", num_slots=4096)`); both together: the options
     replace the config's fields. Every option is documented in `kvlearn.serving.config`.
+    `parts={"attention": fn}` serves through the plain path even with `fast=True`: the fast path
+    computes attention its own way (`kvlearn.fast.attention`), so it could not run the learner's.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError.
@@ -83,7 +85,10 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if c.fast else None)
+        # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path.
+        fast = c.fast and "attention" not in c.parts
+        self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
+                                  attention=c.parts.get("attention"))
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
         self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_running,
                                                                         parts=c.parts)
