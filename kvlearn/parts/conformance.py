@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvlearn.parts import suite_allocator, suite_block_manager, suite_radix_cache
+from kvlearn.parts import suite_allocator, suite_block_manager, suite_radix_cache, suite_scheduler
 from kvlearn.parts.allocator import AllocatorPart
 from kvlearn.parts.block_manager import BlockManagerPart
 from kvlearn.parts.radix_cache import RadixCachePart
+from kvlearn.parts.scheduler import SchedulerPart
 from kvlearn.parts.trace import Broken, Raised, Trace
 
 
@@ -46,6 +47,7 @@ SUITES = {
     "block_manager": Suite(suite_block_manager, BlockManagerPart, "chapters 1-2"),
     "radix_cache": Suite(suite_radix_cache, RadixCachePart, "chapter 3"),
     "allocator": Suite(suite_allocator, AllocatorPart, "chapter 4"),
+    "scheduler": Suite(suite_scheduler, SchedulerPart, "chapter 6"),
 }
 
 
