@@ -180,7 +180,7 @@ def test_a_scheduler_written_outside_the_package_serves_the_real_model(model, to
     from kvlearn.serving.workloads import make_workload
 
     prompts = make_workload("shared_system", tokenizer, num_requests=4).prompt_lists()
-    options = dict(cache=cache, num_slots=256 if cache == "radix" else 512, max_batch_tokens=96)
+    options = dict(cache=cache, num_slots=384 if cache == "radix" else 448, max_batch_tokens=96)
     theirs = Engine(model, tokenizer, **options)
     ours = Engine(model, tokenizer, **options, parts={"scheduler": MyScheduler})
     assert type(ours.scheduler) is MyScheduler

@@ -288,7 +288,8 @@ class SchedulerBase:
         end-of-sequence token to watch for, none reaching max_new_tokens), and the KV manager can
         grow them all for that many steps at once without preempting (`KVManager.decode_rounds`).
         Also whether those steps evict cached tokens. (0, False): the next step must go through
-        `schedule()`."""
+        `schedule()`. Plain decode steps follow chapter 6's rules (`Scheduler.schedule`), which a
+        scheduler part that passes `kvlearn.parts.check` follows too."""
         running = self.running
         if self.waiting or not running or self.eos_token_ids:
             return 0, False
