@@ -33,8 +33,9 @@ def test_executed_in_order_without_errors(path):
 
 def shows_something(source: str) -> bool:
     """Whether a cell must leave output: it prints or displays at top level, or ends in an expression
-    whose value Jupyter shows (a bare name, attribute, subscript, ...; a call may return None)."""
-    body = ast.parse(source).body
+    whose value Jupyter shows (a bare name, attribute, subscript, ...; a call may return None).
+    IPython's magic lines (`%load_ext ...`, a build exercise's `%%part NAME`) show nothing."""
+    body = ast.parse("\n".join(line for line in source.splitlines() if not line.startswith("%"))).body
     shown = [s.value for s in body if isinstance(s, ast.Expr)]
     prints = [v for v in shown if isinstance(v, ast.Call) and getattr(v.func, "id", None) in ("print", "display")]
     ends_in_value = bool(body) and isinstance(body[-1], ast.Expr) and not isinstance(body[-1].value, ast.Call)

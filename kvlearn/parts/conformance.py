@@ -109,8 +109,9 @@ def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed
                 ops, outcome = _shrink(suite, impl, setup, ops, outcome, time.monotonic() + time_limit_s)
             return CheckReport(name, label, False, _failure(head, suite, i, programs, ops, outcome, time_limit_s),
                                i + 1, calls)
+    judge = getattr(suite.module, "JUDGE", "a brute-force reference")   # a suite may name its own
     return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.chapter}): {programs} random "
-                       f"programs, {calls} calls, each judged by a brute-force reference.", programs, calls)
+                       f"programs, {calls} calls, each judged by {judge}.", programs, calls)
 
 
 def _has(cls: type, member: str) -> bool:

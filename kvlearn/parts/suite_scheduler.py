@@ -23,6 +23,7 @@ from kvlearn.serving.scheduler import Scheduler
 from kvlearn.parts.trace import Broken, Trace
 
 EOS = 4
+JUDGE = "the package's Scheduler on a KV manager of its own"   # what the passing report names
 
 HINTS = {
     "preempt": "when kv.grow(req) returns False the pool has no slot for req's newest token, even after "
