@@ -256,7 +256,7 @@ def test_a_preempted_chunked_prompt_keeps_its_computed_chunks_in_the_cache():
         batch = scheduler.schedule()
         scheduler.postprocess(batch, forward(batch))
     assert req.num_computed == 20 and req.status == "running"
-    scheduler._preempt(req)
+    scheduler.preempt(req)
     assert scheduler.kv.cached_len(req.token_ids) == 20
     batch = scheduler.schedule()
     assert scheduler.report.prefills == [(0, 20, 10)]

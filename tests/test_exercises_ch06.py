@@ -25,11 +25,14 @@ def test_theorem():
     computed = {s: measure[1][s]["computed_prefill_tokens"] for s in ("fcfs", "lpm")}
     preempted = {s: measure[16][s]["preemptions"] for s in ("fcfs", "lpm")}
     assert computed["lpm"] <= computed["fcfs"] and preempted["lpm"] > preempted["fcfs"]  # the lesson holds
-    assert ch06.check_theorem(computed, preempted, "c")
-    assert not ch06.check_theorem(computed, preempted, "b")
-    assert not ch06.check_theorem({"fcfs": 551, "lpm": 630}, preempted, "c")  # the 16-token counts
-    assert not ch06.check_theorem(computed, {"fcfs": 0, "lpm": 0}, "c")
-    assert not ch06.check_theorem(..., ..., ...)  # the stubs
+    longest = max(len(p) + 15 for p in few_shot.prompt_lists())
+    assert longest <= 320                                       # so (b) holds: the pool fits the longest
+    assert ch06.check_theorem(longest, computed, preempted, "c")
+    assert not ch06.check_theorem(longest, computed, preempted, "b")
+    assert not ch06.check_theorem(longest - 1, computed, preempted, "c")   # the last token needs no slot
+    assert not ch06.check_theorem(longest, {"fcfs": 551, "lpm": 630}, preempted, "c")  # the 16-token counts
+    assert not ch06.check_theorem(longest, computed, {"fcfs": 0, "lpm": 0}, "c")
+    assert not ch06.check_theorem(..., ..., ..., ...)  # the stubs
 
 
 def test_computed_prefill():

@@ -66,7 +66,7 @@ def test_lpm_ordering_is_a_pure_query(cache, page_size):
         scheduler.add(Request(rid, prompt, 3, page_size))
     before = radix_state(kv.cache) if cache == "radix" else (dict(kv.manager.hash_to_block_id),
                                                               kv.manager.free_block_ids, repr(kv.manager.stats))
-    order = [(req.rid, cached) for req, cached in scheduler._queue_order()]
+    order = [(req.rid, cached) for req, cached in scheduler.queue_order()]
     after = radix_state(kv.cache) if cache == "radix" else (dict(kv.manager.hash_to_block_id),
                                                              kv.manager.free_block_ids, repr(kv.manager.stats))
     assert after == before  # no split, no clock tick, no LRU move

@@ -9,6 +9,7 @@ A part is a class (for "attention", a function) with the contract of the package
 | "radix_cache"   | kvlearn.RadixCache (ch. 3)               | RadixCachePart   | RadixCacheBase                |
 | "allocator"     | kvlearn.allocator.PageAllocator (ch. 4)  | AllocatorPart    | AllocatorBase                 |
 | "attention"     | kvlearn.attention.paged_attention (ch. 5)| AttentionPart    | (none: a function)            |
+| "scheduler"     | kvlearn.serving.scheduler.Scheduler (ch. 6) | SchedulerPart | SchedulerBase         |
 
 `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
 serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
@@ -27,12 +28,15 @@ from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
+from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 from kvlearn.radix import RadixCache
+from kvlearn.serving.scheduler import Scheduler
 
 # Each part's name -> the package's own class (for "attention", function) of that name (what a missing
 # part is; "block_table" is BlockManager built with enable_prefix_caching=False).
 PARTS = {"block_table": BlockManager, "block_manager": BlockManager, "radix_cache": RadixCache,
-         "allocator": PageAllocator, "attention": paged_attention}
+         "allocator": PageAllocator, "attention": paged_attention, "scheduler": Scheduler}
 
 __all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
-           "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode"]
+           "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
+           "SchedulerPart", "SchedulerBase"]

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from kvlearn.parts import (suite_allocator, suite_attention, suite_block_manager, suite_block_table,
-                           suite_radix_cache)
+                           suite_radix_cache, suite_scheduler)
 from kvlearn.parts.allocator import AllocatorPart
 from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerPart, BlockTablePart
 from kvlearn.parts.radix_cache import RadixCachePart
+from kvlearn.parts.scheduler import SchedulerPart
 from kvlearn.parts.trace import Broken, Raised, Trace
 
 
@@ -50,6 +51,7 @@ SUITES = {
     "radix_cache": Suite(suite_radix_cache, RadixCachePart, "chapter 3"),
     "allocator": Suite(suite_allocator, AllocatorPart, "chapter 4"),
     "attention": Suite(suite_attention, AttentionPart, "chapter 5"),
+    "scheduler": Suite(suite_scheduler, SchedulerPart, "chapter 6"),
 }
 
 
@@ -114,8 +116,9 @@ def check(name: str, impl, time_limit_s: float = 10.0, programs: int = 300, seed
                 ops, outcome = _shrink(suite, impl, setup, ops, outcome, time.monotonic() + time_limit_s)
             return CheckReport(name, label, False, _failure(head, suite, i, programs, ops, outcome, time_limit_s),
                                i + 1, calls)
+    judge = getattr(suite.module, "JUDGE", "a brute-force reference")   # a suite may name its own
     return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.chapter}): {programs} random "
-                       f"programs, {calls} calls, each judged by a brute-force reference.", programs, calls)
+                       f"programs, {calls} calls, each judged by {judge}.", programs, calls)
 
 
 def _has(cls: type, member: str) -> bool:

@@ -21,7 +21,7 @@ from kvlearn.serving.scheduler import SCHEDULES
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
 # The parts a learner may hand the engine (kvlearn.parts), and the cache mode each one serves.
 PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES,
-              "attention": CACHE_MODES}
+              "attention": CACHE_MODES, "scheduler": CACHE_MODES}
 
 
 @dataclass
@@ -37,8 +37,8 @@ class EngineConfig:
                                          # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
                                          # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
                                          # PageAllocator), "attention" (a function like kvlearn.attention.
-                                         # paged_attention; the plain path serves it, never fast); a part
-                                         # not given is the package's own
+                                         # paged_attention; the plain path serves it, never fast), "scheduler"
+                                         # (Scheduler, any cache); a part not given is the package's own
 
     # --- the scheduler (chapter 6) ---
     max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)

@@ -92,8 +92,8 @@ class Engine:
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
         self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_running,
                                                                         parts=c.parts)
-        self.scheduler = Scheduler(self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids,
-                                   chunked_prefill=c.chunked_prefill)
+        self.scheduler = c.parts.get("scheduler", Scheduler)(self.kv, c.max_batch_tokens, c.schedule,
+                                                             self.eos_token_ids, chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.reset_stats()

@@ -31,6 +31,10 @@ Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
 has it check slot conservation after every step. The scheduler owns each request's `status` and
 `num_computed`; the KV manager owns `req.kv`.
+
+`Scheduler` is `SchedulerBase` (the queues, the report and stats, the mechanics of a preemption and
+an admission, and everything after the forward) plus `schedule()`, the three rules above: the
+part a learner writes in chapter 6 (kvlearn.parts "scheduler").
 """
 
 from __future__ import annotations
@@ -112,14 +116,29 @@ STAT_NAMES = ("requests", "prompt_tokens", "computed_prefill_tokens", "cached_to
               "evicted_tokens", "preemptions", "peak_slots", "steps")
 
 
-class Scheduler:
-    """Continuous batching over a KV manager: `schedule()` a batch, run it, `postprocess()` it.
+class SchedulerBase:
+    """The scheduler's bookkeeping that chapter 6 does not teach: the queues, the step's report and
+    the stats, building the batch, and everything after the forward. A scheduler is this base plus
+    `schedule()`, the step's decisions (the package's `Scheduler`, or a learner's `MyScheduler`,
+    kvlearn.parts "scheduler"); the mechanics those decisions call are here:
+
+    - `begin_step()` opens the step's report; `form_batch(prefills, chunks, decodes)` closes it and
+      returns the batch (each a list: (request, tokens to compute now) pairs; decodes: requests);
+    - `preempt(req)` gives a running request's slots back and puts it first in line;
+    - `queue_order()` the waiting requests, in the order to try them, with their cached prefix;
+    - `shares_in_batch(req, cached)` whether it shares an uncomputed prefix with this step's prompts;
+    - `start(req, budget)` admits a waiting request (None, with nothing changed, when the pool is full).
+
+    `waiting` is the queue (a preempted request goes first); `running` holds the requests with KV
+    in admission order, so the newest is last. The scheduler owns each request's `status` and
+    `num_computed`; the KV manager owns `req.kv`.
 
     in_batch_threshold: a waiting request whose prompt shares at least this many more tokens with
     a request admitted in the same step than with the cache waits one step (0 turns it off).
     chunked_prefill: split a prompt that does not fit in the step's budget across steps (else it
-    waits, and runs alone, whole, when nothing else is running). `stats` counts since the last `reset_stats()`: prefill counts include recomputation after a
-    preemption; peak_slots is the most slots live requests used at once, shared slots once.
+    waits, and runs alone, whole, when nothing else is running). `stats` counts since the last
+    `reset_stats()`: prefill counts include recomputation after a preemption; peak_slots is the most
+    slots live requests used at once, shared slots once.
     """
 
     def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
@@ -134,6 +153,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: preemption takes from the end
         self.num_steps = 0
         self.report = StepReport(0)
+        self._evicted_before = 0
+        self._in_batch = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -147,29 +168,78 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # --- forming a batch ----------------------------------------------------------------------
     def schedule(self) -> Batch:
-        """Pick this step's batch: decodes of running requests, the next chunk of each prompt
-        already started, then admissions."""
+        """Pick this step's batch (the step's decisions: a subclass writes them)."""
+        raise NotImplementedError("schedule() makes the step's decisions: write it in your scheduler")
+
+    # --- the mechanics the decisions call ------------------------------------------------------
+    def begin_step(self) -> None:
+        """Mutation: a new step, with an empty report (call it first in `schedule`)."""
         self.num_steps += 1
         self.report = StepReport(self.num_steps)
-        evicted_before = self.kv.evicted_tokens
-        decodes, prefilling = self._schedule_running()
-        budget = self.max_batch_tokens - len(decodes)
-        chunks = []
-        for req in prefilling:  # the next chunk of each prompt already started, oldest first
-            if budget <= 0:
-                break
-            chunks.append((req, min(len(req.token_ids) - req.num_computed, budget)))
-            budget -= chunks[-1][1]
-        prefills = [] if self.report.preempted else self._admit(budget)
+        self._evicted_before = self.kv.evicted_tokens
+        caches = self.kv.caches_prefixes and self.in_batch_threshold
+        self._in_batch = InBatchPrefixes(self.kv.page_size) if caches else None
+
+    def preempt(self, req: Request) -> None:
+        """Mutation: recompute preemption. The running request gives its slots back (its computed
+        tokens go to the cache, if any) and goes first in line to be prefilled again, outputs
+        included; the report lists it."""
+        self.kv.release(req)
+        self.running.remove(req)
+        req.status, req.num_computed = RequestStatus.WAITING, 0
+        self.waiting.appendleft(req)
+        self.report.preempted.append(req.rid)
+
+    def queue_order(self):
+        """Query: (request, cached prefix length) for the waiting requests, in the order to try
+        admitting them: the queue's (fcfs), or longest cached prefix first (lpm, ties first come
+        first served; past LPM_MAX_QUEUE waiting requests, fcfs). Changes no cache."""
+        if self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            pairs = [(req, self.kv.cached_len(req.token_ids)) for req in self.waiting]
+            pairs.sort(key=lambda pair: -pair[1])  # stable: ties stay first come, first served
+            return pairs
+        # fcfs matches lazily: admission usually stops long before the end of the queue.
+        return ((req, self.kv.cached_len(req.token_ids)) for req in list(self.waiting))
+
+    def shares_in_batch(self, req: Request, cached: int) -> bool:
+        """Query: whether the request shares at least `in_batch_threshold` more tokens with a prompt
+        started in this step than with the cache (`cached`): admitted now, it would compute that
+        part a second time; after this step it finds it in the cache. Always False without a
+        prefix cache or with in_batch_threshold 0."""
+        if self._in_batch is None:
+            return False
+        return self._in_batch.shared_len(req.token_ids) - cached >= self.in_batch_threshold
+
+    def start(self, req: Request, budget: int) -> int | None:
+        """Mutation: admit a waiting request: its KV (the KV manager reuses what is cached), status
+        running, last in `running`, in the report. Returns the tokens it computes in this step (its
+        uncached part, cut to `budget` with chunked prefill), or None, with nothing changed, when
+        the pool or the rows are short."""
+        cached = self.kv.admit(req)  # what admission actually found
+        if cached is None:
+            return None
+        self.waiting.remove(req)
+        req.status, req.num_computed, req.prefill_len = RequestStatus.RUNNING, cached, len(req.token_ids)
+        self.running.append(req)
+        extend = len(req.token_ids) - cached
+        now = min(extend, budget) if self.chunked_prefill else extend
+        self.report.prefills.append((req.rid, cached, now))
+        if self._in_batch is not None:
+            self._in_batch.add(req.token_ids)
+        return now
+
+    def form_batch(self, prefills: list[tuple[Request, int]], chunks: list[tuple[Request, int]],
+                   decodes: list[Request]) -> Batch:
+        """Mutation: the step's batch (admissions, then chunks of prompts already started, then
+        decodes), with the report and stats completed (call it last in `schedule`)."""
         batch = Batch(num_prefills=len(prefills) + len(chunks))
         for req, n in prefills + chunks + [(req, 1) for req in decodes]:
             batch.add(req, self.kv.kv_indices(req), n)
         report, kv = self.report, self.kv
         report.chunks = [(req.rid, req.num_computed, n) for req, n in chunks]
         report.decodes = [r.rid for r in decodes]
-        report.evicted_tokens = kv.evicted_tokens - evicted_before
+        report.evicted_tokens = kv.evicted_tokens - self._evicted_before
         report.used_slots, report.evictable_slots = kv.slots_in_use(self.running), kv.evictable_slots
         report.free_slots = kv.free_slots
         stats = self.stats
@@ -180,84 +250,6 @@ class Scheduler:
         stats["preemptions"] += len(report.preempted)
         stats["peak_slots"] = max(stats["peak_slots"], report.used_slots)
         return batch
-
-    def _schedule_running(self) -> tuple[list[Request], list[Request]]:
-        """The running requests that decode this step (each given a slot for its newest token,
-        preempting from the back when the pool has none), and those still in the middle of a
-        chunked prompt (their slots were taken at admission)."""
-        decodes, prefilling = [], []
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                break
-            if req.prefilling:
-                prefilling.append(req)
-                continue
-            while not self.kv.grow(req):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                decodes.append(req)
-        return decodes, [r for r in prefilling if r.status == RequestStatus.RUNNING]
-
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: the request gives its slots back (its computed tokens go to the
-        cache, if any) and goes first in line to be prefilled again, outputs included."""
-        self.kv.release(req)
-        self.running.remove(req)
-        req.status, req.num_computed = RequestStatus.WAITING, 0
-        self.waiting.appendleft(req)
-        self.report.preempted.append(req.rid)
-
-    def _queue_order(self):
-        """Waiting requests with their cached prefix length, in the order to try admitting them.
-        `cached_len` is a pure query, so ordering the queue changes no cache."""
-        if self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
-            pairs = [(req, self.kv.cached_len(req.token_ids)) for req in self.waiting]
-            pairs.sort(key=lambda pair: -pair[1])  # stable: ties stay first come, first served
-            return pairs
-        # fcfs matches lazily: admission usually stops long before the end of the queue.
-        return ((req, self.kv.cached_len(req.token_ids)) for req in list(self.waiting))
-
-    def _admit(self, budget: int) -> list[tuple[Request, int]]:
-        """Admit waiting requests while budget and pool allow: (request, tokens to compute now)."""
-        admitted = []
-        in_batch = InBatchPrefixes(self.kv.page_size) if self.kv.caches_prefixes and self.in_batch_threshold else None
-        for req, cached in self._queue_order():
-            if budget <= 0 or self._waits_for_empty_step(req, cached, budget, admitted):
-                break
-            if in_batch is not None and in_batch.shared_len(req.token_ids) - cached >= self.in_batch_threshold:
-                self.report.deferred.append(req.rid)  # its partner's prompt reaches the cache after this step
-                continue
-            now = self._start(req, budget)
-            if now is None:
-                break  # the pool is full; running requests free slots as they finish
-            admitted.append((req, now))
-            budget -= now
-            if in_batch is not None:
-                in_batch.add(req.token_ids)
-        return admitted
-
-    def _waits_for_empty_step(self, req: Request, cached: int, budget: int, admitted: list) -> bool:
-        """Without chunked prefill, a prompt too big for what is left of the budget waits until
-        nothing else runs; then it runs alone, whole, over the budget."""
-        too_big = len(req.token_ids) - cached > budget
-        return too_big and not self.chunked_prefill and bool(admitted or self.running)
-
-    def _start(self, req: Request, budget: int) -> int | None:
-        """Give the request its KV (the KV manager reuses what is cached) and make it run; returns
-        the tokens it computes in this step, or None, with nothing changed, when memory is short."""
-        cached = self.kv.admit(req)  # what admission actually found
-        if cached is None:
-            return None
-        self.waiting.remove(req)
-        req.status, req.num_computed, req.prefill_len = RequestStatus.RUNNING, cached, len(req.token_ids)
-        self.running.append(req)
-        extend = len(req.token_ids) - cached
-        now = min(extend, budget) if self.chunked_prefill else extend
-        self.report.prefills.append((req.rid, cached, now))
-        return now
 
     def abort(self, requests: list[Request]) -> None:
         """Take these requests out (after a failed or interrupted step): running ones give back
@@ -296,7 +288,8 @@ class Scheduler:
         end-of-sequence token to watch for, none reaching max_new_tokens), and the KV manager can
         grow them all for that many steps at once without preempting (`KVManager.decode_rounds`).
         Also whether those steps evict cached tokens. (0, False): the next step must go through
-        `schedule()`."""
+        `schedule()`. Plain decode steps follow chapter 6's rules (`Scheduler.schedule`), which a
+        scheduler part that passes `kvlearn.parts.check` follows too."""
         running = self.running
         if self.waiting or not running or self.eos_token_ids:
             return 0, False
@@ -349,6 +342,64 @@ class Scheduler:
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)
         return finished
+
+
+class Scheduler(SchedulerBase):
+    """Continuous batching over a KV manager: `schedule()` a batch, run it, `postprocess()` it.
+    The step's decisions (the module docstring's three rules); the rest is `SchedulerBase`."""
+
+    def schedule(self) -> Batch:
+        """Pick this step's batch: decodes of running requests (preempting the newest when the pool
+        has no slot), the next chunk of each prompt already started, then admissions; none in a
+        step that preempted."""
+        self.begin_step()
+        decodes = self._decodes()
+        budget = self.max_batch_tokens - len(decodes)
+        chunks = []
+        for req in self.running:  # the next chunk of each prompt already started, oldest first
+            if req.prefilling and budget > 0:
+                chunks.append((req, min(len(req.token_ids) - req.num_computed, budget)))
+                budget -= chunks[-1][1]
+        prefills = [] if self.report.preempted else self._admit(budget)
+        return self.form_batch(prefills, chunks, decodes)
+
+    def _decodes(self) -> list[Request]:
+        """The running requests that decode this step, each given a slot for its newest token,
+        preempting from the back when the pool has none (a request still in the middle of a
+        chunked prompt took its slots at admission)."""
+        decodes = []
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop: so is the rest
+                break
+            if req.prefilling:
+                continue
+            while not self.kv.grow(req):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            else:
+                decodes.append(req)
+        return decodes
+
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        """Admit waiting requests while budget and pool allow: (request, tokens to compute now).
+        Without chunked prefill, a prompt too big for what is left of the budget waits until
+        nothing else runs; then it runs alone, whole, over the budget."""
+        admitted = []
+        for req, cached in self.queue_order():
+            too_big = len(req.token_ids) - cached > budget
+            if budget <= 0 or (too_big and not self.chunked_prefill and (admitted or self.running)):
+                break
+            if self.shares_in_batch(req, cached):
+                self.report.deferred.append(req.rid)  # its partner's prompt reaches the cache after this step
+                continue
+            now = self.start(req, budget)
+            if now is None:
+                break  # the pool is full; running requests free slots as they finish
+            admitted.append((req, now))
+            budget -= now
+        return admitted
 
 
 class InBatchPrefixes:

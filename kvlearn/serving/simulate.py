@@ -25,11 +25,12 @@ from kvlearn.serving.scheduler import Scheduler
 class SimEngine:
     """A real `Scheduler` over a KV manager, without the model. Each request "generates" the answer
     it was added with, then `filler` (any token id the scheduler does not stop at); `options` are the
-    scheduler's."""
+    scheduler's. `scheduler_cls`: the scheduler's class (a learner's part, kvlearn.parts "scheduler"),
+    built like `Scheduler(kv, **options)`."""
 
-    def __init__(self, kv: KVManager, filler: int, **options):
+    def __init__(self, kv: KVManager, filler: int, scheduler_cls=Scheduler, **options):
         self.kv, self.filler = kv, filler
-        self.scheduler = Scheduler(kv, **options)
+        self.scheduler = scheduler_cls(kv, **options)
         self.answers: dict[int, tuple[int, ...]] = {}   # rid -> the answer it generates, while it runs
 
     def add(self, req: Request, answer: tuple[int, ...] = ()) -> Request:
