@@ -21,6 +21,7 @@ import MyBlockTable`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -142,10 +143,14 @@ class Gathered:
 def gather_parts(folder: str | Path = FOLDER) -> list[Gathered]:
     """Import every part of BUILD from `folder` (my_parts/NAME.py, read afresh: edits since the last
     import count) and check it; one row per part, in course order. A part's module may import an
-    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`)."""
-    folder = Path(folder)
+    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The modules
+    run in the folder's parent, the notebooks' folder they were written from, so `earlier_part` in
+    them reads the same folder."""
+    folder = Path(folder).resolve()
     _fresh_package(folder)
-    return [_gather_one(name, chapter, attribute, folder) for name, (chapter, attribute) in BUILD.items()]
+    with contextlib.chdir(folder.parent):
+        return [_gather_one(name, chapter, attribute, Path(folder.name))
+                for name, (chapter, attribute) in BUILD.items()]
 
 
 def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
