@@ -24,13 +24,12 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import importlib.util
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK
+from kvlearn.workshop.student import replace_file
 
 FOLDER = "my_parts"
 _passed: dict[str, object] = {}   # part name -> the impl that last passed check_part
@@ -57,15 +56,7 @@ def save_part(name: str, source: str, folder: str | Path = FOLDER) -> Path:
     """Write `source` to `folder/name.py` (a new file renamed over the old one); returns the path."""
     path = part_path(name, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(source.rstrip("\n") + "\n\n# Saved by a %%part cell: edit that cell, not this file.\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    replace_file(path, source.rstrip("\n") + "\n\n# Saved by a %%part cell: edit that cell, not this file.\n")
     return path
 
 
@@ -129,8 +120,8 @@ def earlier_part(name: str, attr: str, folder: str | Path = FOLDER):
 @dataclass(frozen=True)
 class Gathered:
     """One part as `gather_parts` found it. `verdict`: "yours" (it passed `kvlearn.parts.check`),
-    "missing" (no module), "fails check" (the module does not import, lacks the name, or fails the
-    check) or "not checked" (kvlearn.parts has no check for it); `note`: why, in one line;
+    "missing" (no module) or "fails check" (the module does not import, lacks the name, or fails the
+    check); `note`: why, in one line;
     `impl`: the learner's class or function once imported (None otherwise)."""
 
     name: str
@@ -235,11 +226,6 @@ def _gather_one(name: str, chapter: int, attribute: str, folder: Path) -> Gather
     impl = getattr(module, attribute, None)
     if impl is None:
         return Gathered(name, chapter, "fails check", f"{path.name} defines no {attribute}")
-    try:
-        report = check(name, impl)
-    except ValueError as error:   # check raises only for a part name it has no suite for
-        if not str(error).startswith("Unknown part"):
-            raise
-        return Gathered(name, chapter, "not checked", f"kvlearn.parts has no check for {name!r} yet", impl)
+    report = check(name, impl)
     first = report.message.splitlines()[0].removeprefix(NOT_YET).strip()
     return Gathered(name, chapter, "yours" if report.passed else "fails check", first, impl)

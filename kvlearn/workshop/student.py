@@ -103,11 +103,11 @@ def write_student_copies(src="notebooks", dest="student") -> list[Path]:
             raise ValueError(f"{path}: {e}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for path, nb in copies.items():
-        _replace(path, nbformat.writes(nb) + "\n")
+        replace_file(path, nbformat.writes(nb) + "\n")
     return list(copies)
 
 
-def _replace(path: Path, text: str) -> None:
+def replace_file(path: Path, text: str) -> None:
     """Write `text` to a new file in `path`'s folder, then rename it over `path` (which is replaced
     itself, whatever it was: the rename never follows a link)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
