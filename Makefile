@@ -134,7 +134,7 @@ figures: setup
 	$(PY) -m kvlearn demo
 
 clean:
-	rm -rf $(VENV) .hypothesis .pytest_cache site build/site-src
+	rm -rf $(VENV) .hypothesis .pytest_cache site build/site
 
 # ---- Workshop kit: install with no network -----------------------------------------------------
 # `make wheelhouse` (on a machine with network) fills $(WHEELHOUSE) with every wheel an offline

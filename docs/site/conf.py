@@ -31,7 +31,7 @@ nb_execution_mode = "off"          # the committed outputs, never re-executed
 nb_ipywidgets_js = {}              # never the widget scripts from a CDN (the views are gone anyway)
 nb_merge_streams = True
 myst_heading_anchors = 3
-exclude_patterns = [".doctrees", "**/.ipynb_checkpoints"]
+exclude_patterns = ["**/.ipynb_checkpoints"]
 
 html_theme = "sphinx_book_theme"
 html_theme_options = {

@@ -1,7 +1,7 @@
 """The course as a static site: `python -m kvlearn.workshop.site` (what `make site` runs).
 
 The site is built from what is committed, offline, and never executes a notebook. First the Sphinx
-sources are staged (default build/site-src/), then Sphinx with docs/site/conf.py writes site/:
+sources are staged (in build/site/src/), then Sphinx with docs/site/conf.py writes site/:
 
 - index.md: the README's opening (what the course is), its two commands and its chapter table
   (each notebook linked to its page), and the engine map that opens every chapter (chapter 0's,
@@ -285,34 +285,39 @@ def stage(root: Path, dest: Path) -> list[str]:
     return list(chapters)
 
 
-def build(root: Path, out: Path, staging: Path, jobs: str = "auto") -> Path:
-    """Stage the sources and run Sphinx into `out`; returns the landing page. Raises RuntimeError with
-    Sphinx's output when it fails, ImportError (with the install command) when Sphinx is missing."""
+def build(root: Path, out: Path, work: Path, jobs: str = "auto") -> Path:
+    """Stage the sources in `work`/src, run Sphinx there and move the HTML to `out` (replaced); returns
+    the landing page. Raises ImportError (with the install command) when Sphinx is missing,
+    RuntimeError with Sphinx's output when it fails; `out` is then left as it was."""
     try:
         import myst_nb  # noqa: F401  (only to say what is missing before Sphinx starts)
         import sphinx  # noqa: F401
     except ImportError as missing:
         raise ImportError(f"{missing.name} is not installed: `make site` installs requirements-site.txt "
                           "(or: .venv/bin/pip install -r requirements-site.txt)") from missing
-    stage(root, staging)
+    html = work / "html"   # MyST-NB writes its own files beside the HTML folder: here, inside `work`
+    stage(root, work / "src")
+    shutil.rmtree(html, ignore_errors=True)
     command = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", jobs, "-E",
-               "-c", str(root / CONF_DIR), "-d", str(staging / ".doctrees"), str(staging), str(out)]
+               "-c", str(root / CONF_DIR), "-d", str(work / "doctrees"), str(work / "src"), str(html)]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"sphinx-build failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     if done.stderr.strip():
         print(done.stderr.strip(), file=sys.stderr)   # Sphinx's warnings
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.move(html, out)
     return out / "index.html"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlearn.workshop.site", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="site", help="where the HTML goes (default: site)")
-    parser.add_argument("--staging", default="build/site-src", help="where the Sphinx sources are staged")
+    parser.add_argument("--work", default="build/site", help="where the sources are staged and built")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        index = build(ROOT, Path(args.out).resolve(), Path(args.staging).resolve())
+        index = build(ROOT, Path(args.out).resolve(), Path(args.work).resolve())
     except (ImportError, RuntimeError, ValueError) as failed:
         print(f"site: {failed}", file=sys.stderr)
         return 1
