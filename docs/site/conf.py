@@ -42,6 +42,8 @@ html_theme_options = {
     "navigation_with_keys": False,
     "home_page_in_toc": True,
 }
+html_context = {"default_mode": "light"}   # else the theme logs an error for an unset mode
+html_favicon = "favicon.svg"       # else the browser asks for /favicon.ico and logs its 404
 html_copy_source = False           # the notebooks are in the repository; the site stays small
 html_show_sourcelink = False
 html_last_updated_fmt = None
