@@ -43,7 +43,9 @@ html_theme_options = {
     "home_page_in_toc": True,
 }
 html_context = {"default_mode": "light"}   # else the theme logs an error for an unset mode
-html_favicon = "favicon.svg"       # else the browser asks for /favicon.ico and logs its 404
+html_favicon = "_static/favicon.svg"   # else the browser asks for /favicon.ico and logs its 404
+html_static_path = ["_static"]
+html_css_files = ["kvlearn.css"]
 html_copy_source = False           # the notebooks are in the repository; the site stays small
 html_show_sourcelink = False
 html_last_updated_fmt = None

@@ -7,7 +7,7 @@ sources are staged (in build/site/src/), then Sphinx with docs/site/conf.py writ
   (each notebook linked to its page), and the engine map that opens every chapter (chapter 0's,
   without its `>>` mark);
 - chapters/NN_name.ipynb: each notebook with its committed outputs, less its widget views (only a
-  kernel draws them: each becomes a line pointing at the static pictures beside it) and the widget
+  kernel draws them: each becomes a line pointing at the cells around it, which show its steps) and the widget
   state (which would make the page load the widget scripts from the network);
 - glossary.md: docs/glossary.md with a label before each entry, which the chapters' pages link to;
 - instructor.md: docs/instructor.md;
@@ -35,8 +35,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = Path("docs") / "site"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-WIDGET_NOTE = ("*In Jupyter a slider here steps through the run; a reader without a kernel sees its key "
-               "steps in the static pictures beside this cell.*")
+WIDGET_NOTE = ("*In Jupyter a slider here steps through the run (a widget: only a running kernel draws it); "
+               "on this page the cells around it show its steps as pictures or text.*")
 MAP_LINE = re.compile(r"^(?P<mark>>>|  )(?P<indent> +)(?P<name>\S.*?) \.{3,} ch\. (?P<chapter>\d+)(?P<rest>.*)$")
 
 
