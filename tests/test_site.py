@@ -75,11 +75,12 @@ def test_the_book_has_every_page(built_site):
 
 
 def test_parts_page_lists_every_build_exercise_from_the_checker():
-    page = parts_page()
+    page = parts_page([p.stem for p in CHAPTERS])
     assert list(BUILD) == [name for name in SUITES if name in BUILD]
     for name, (chapter, attr) in BUILD.items():
         suite = SUITES[name]
         assert f"## Chapter {chapter}: `{name}`" in page
+        assert f"](chapters/{CHAPTERS[chapter].stem}.ipynb)" in page
         assert f"`%%part {name}`" in page and f"check_part({name!r}, {attr})" in page
         assert f"kvlearn.parts.{suite.contract.__name__}" in page
         assert suite.module.__doc__.splitlines()[0] in page   # what the suite judges, in its own words

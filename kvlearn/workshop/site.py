@@ -32,7 +32,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]   # the clone this module is in (an editable install)
 CONF_DIR = Path("docs") / "site"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("*In Jupyter a slider here steps through the run (a widget: only a running kernel draws it); "
@@ -206,9 +206,9 @@ instructor
 """
 
 
-def parts_page() -> str:
+def parts_page(chapters: list[str]) -> str:
     """"Check your parts": per build exercise, its %%part cell, contract, what the check judges and
-    the command, all read from the code that checks it."""
+    the command, all read from the code that checks it. `chapters`: the notebooks' names in order."""
     from kvlearn.exercises.parts import BUILD, FOLDER
     from kvlearn.parts.conformance import SUITES, contract_members
 
@@ -233,7 +233,7 @@ def parts_page() -> str:
         members = ", ".join(f"`{m}`" for m in contract_members(suite.contract))
         judge = getattr(suite.module, "JUDGE", None)
         lines += ["", f"## Chapter {chapter}: `{name}`", "",
-                  f"In [chapter {chapter}](chapters/{_chapter_file(chapter)}), the cell `%%part {name}` defines "
+                  f"In [chapter {chapter}](chapters/{_chapter_file(chapter, chapters)}.ipynb), the cell `%%part {name}` defines "
                   f"`{attr}`; it is saved as `{FOLDER}/{name}.py`.", "",
                   "**The command**, in the chapter's notebook:", "", "```python",
                   f"check_part({name!r}, {attr})", "```", "",
@@ -248,11 +248,11 @@ def _quoted(text: str) -> str:
     return "\n".join("> " + line if line else ">" for line in text.splitlines())
 
 
-def _chapter_file(chapter: int) -> str:
-    found = sorted((ROOT / "notebooks").glob(f"{chapter:02d}_*.ipynb"))
+def _chapter_file(chapter: int, chapters: list[str]) -> str:
+    found = [name for name in chapters if name.startswith(f"{chapter:02d}_")]
     if len(found) != 1:
-        raise ValueError(f"chapter {chapter}: expected one notebooks/{chapter:02d}_*.ipynb, found {len(found)}")
-    return found[0].name
+        raise ValueError(f"chapter {chapter}: expected one notebook named {chapter:02d}_*, found {found}")
+    return found[0]
 
 
 def site_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -281,13 +281,14 @@ def stage(root: Path, dest: Path) -> list[str]:
     (dest / "index.md").write_text(landing_page(readme, chapters))
     (dest / "glossary.md").write_text(label_glossary((root / "docs" / "glossary.md").read_text()))
     shutil.copyfile(root / "docs" / "instructor.md", dest / "instructor.md")
-    (dest / "parts.md").write_text(parts_page())
+    (dest / "parts.md").write_text(parts_page(list(chapters)))
     return list(chapters)
 
 
-def build(root: Path, out: Path, work: Path, jobs: str = "auto") -> Path:
+def build(root: Path, out: Path, work: Path, jobs: str = "auto", strict: bool = False) -> Path:
     """Stage the sources in `work`/src, run Sphinx there and move the HTML to `out` (replaced); returns
-    the landing page. Raises ImportError (with the install command) when Sphinx is missing,
+    the landing page. `strict`: any Sphinx warning (a link that leads nowhere, an output it cannot
+    show) fails the build. Raises ImportError (with the install command) when Sphinx is missing,
     RuntimeError with Sphinx's output when it fails; `out` is then left as it was."""
     try:
         import myst_nb  # noqa: F401  (only to say what is missing before Sphinx starts)
@@ -299,6 +300,7 @@ def build(root: Path, out: Path, work: Path, jobs: str = "auto") -> Path:
     stage(root, work / "src")
     shutil.rmtree(html, ignore_errors=True)
     command = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-j", jobs, "-E",
+               *(["-W", "--keep-going"] if strict else []),
                "-c", str(root / CONF_DIR), "-d", str(work / "doctrees"), str(work / "src"), str(html)]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
