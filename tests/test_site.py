@@ -130,3 +130,14 @@ def test_landing_page_has_the_two_commands_the_table_and_the_map():
     for name in chapters:
         assert f"](chapters/{name}.ipynb)" in page
     assert ">>" not in page.split("```text")[1].split("```")[0]   # the map, no chapter marked
+
+
+def test_the_offline_check_sees_what_a_browser_would_fetch():
+    parser = Loads()
+    parser.feed('<script src="https://cdn.example/x.js"></script><img srcset="//cdn.example/a.png 2x, b.png">'
+                '<link rel="stylesheet" href="http://fonts.example/f.css"><link rel="next" href="https://x.example/">'
+                '<a href="https://example.org/">a link loads nothing</a><img src="_images/local.png">')
+    assert [u for u in parser.urls if NETWORK.match(u)] == \
+        ["https://cdn.example/x.js", "//cdn.example/a.png", "http://fonts.example/f.css"]
+    css = '/* see https://docs.example */ @import "https://fonts.example/g.css"; a { background: url(../x.png) }'
+    assert [u for u in css_urls(css) if NETWORK.match(u)] == ["https://fonts.example/g.css"]
