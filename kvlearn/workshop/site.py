@@ -291,11 +291,11 @@ def build(root: Path, out: Path, work: Path, jobs: str = "auto", strict: bool = 
     show) fails the build. Raises ImportError (with the install command) when Sphinx is missing,
     RuntimeError with Sphinx's output when it fails; `out` is then left as it was."""
     try:
-        import myst_nb  # noqa: F401  (only to say what is missing before Sphinx starts)
-        import sphinx  # noqa: F401
+        import sphinx  # noqa: F401  (only to say what is missing before Sphinx starts)
+        import myst_nb  # noqa: F401
     except ImportError as missing:
-        raise ImportError(f"{missing.name} is not installed: `make site` installs requirements-site.txt "
-                          "(or: .venv/bin/pip install -r requirements-site.txt)") from missing
+        raise ImportError(f"{missing.name} is not installed (`make site` and `make test` install "
+                          "requirements-site.txt; else: .venv/bin/pip install -r requirements-site.txt)") from missing
     html = work / "html"   # MyST-NB writes its own files beside the HTML folder: here, inside `work`
     stage(root, work / "src")
     shutil.rmtree(html, ignore_errors=True)
