@@ -141,3 +141,9 @@ def test_the_offline_check_sees_what_a_browser_would_fetch():
         ["https://cdn.example/x.js", "//cdn.example/a.png", "http://fonts.example/f.css"]
     css = '/* see https://docs.example */ @import "https://fonts.example/g.css"; a { background: url(../x.png) }'
     assert [u for u in css_urls(css) if NETWORK.match(u)] == ["https://fonts.example/g.css"]
+
+
+def test_landing_page_names_the_readme_section_it_misses():
+    chapters = {p.stem: nbformat.read(p, as_version=4) for p in CHAPTERS[:1]}
+    with pytest.raises(ValueError, match="'## The two commands'"):
+        landing_page("# kvlearn\n\nA course.\n\n## Opening the notebooks\n", chapters)

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 import nbformat
 import pytest
 
+from kvlearn.workshop.site import chapter_title
 from tests.test_browser import browser, free_port  # noqa: F401  (browser: the shared Chromium fixture)
 
 pytestmark = pytest.mark.slow
@@ -30,10 +31,6 @@ LOCAL = {"127.0.0.1"}
 
 IMAGES_JS = """() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0))
                                         .map(i => i.getAttribute('src'))"""
-
-
-def chapter_title(path: Path) -> str:
-    return re.match(r"#\s+(.+)", nbformat.read(path, as_version=4).cells[0].source.strip())[1].strip()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +91,7 @@ def test_next_leads_through_every_chapter(page):
     for path in CHAPTERS:
         page.locator(".prev-next-area a.right-next").click()
         page.wait_for_url(f"**/chapters/{path.stem}.html")
-        title = chapter_title(path)
+        title = chapter_title(nbformat.read(path, as_version=4))
         heading = page.locator("main h1").first.inner_text().strip().rstrip("#").strip()
         assert heading == title, f"{path.stem}: the page's heading is {heading!r}, not {title!r}"
         assert page.title().startswith(title), f"{path.stem}: the window title is {page.title()!r}"

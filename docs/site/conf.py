@@ -19,7 +19,7 @@ from sphinx.transforms import SphinxTransform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: kvlearn.workshop.site
 
-from kvlearn.workshop.site import MAP_LINE, entry_of, glossary_entries, words_pattern  # noqa: E402
+from kvlearn.workshop.site import MAP_LINE, entry_of, glossary_entries, is_engine_map, words_pattern  # noqa: E402
 
 project = "kvlearn"
 author = "the kvlearn authors"
@@ -105,9 +105,8 @@ class GlossaryLinks(SphinxTransform):
         entries, pattern = _entries(self.env)
         chapters = _chapters(self.env)
         for block in list(self.document.findall(nodes.literal_block)):
-            lines = block.astext().splitlines()
-            if sum(bool(MAP_LINE.match(line)) for line in lines) >= 5:
-                block.replace_self(self._map(block, lines, entries, pattern, chapters))
+            if is_engine_map(block.astext()):
+                block.replace_self(self._map(block.astext().splitlines(), entries, pattern, chapters))
         if not doc.startswith("chapters/"):
             return
         for literal in list(self.document.findall(nodes.literal)):
@@ -126,7 +125,7 @@ class GlossaryLinks(SphinxTransform):
                 for offset, node in enumerate(linked):
                     parent.insert(index + offset, node)
 
-    def _map(self, block, lines, entries, pattern, chapters) -> nodes.literal_block:
+    def _map(self, lines, entries, pattern, chapters) -> nodes.literal_block:
         """The map as a parsed literal block: each line's name linked to the glossary, `ch. N` to chapter
         N, and the first glossary word of the descriptions (one slot per token) to its entry."""
         # rawsource "" (not the text): Sphinx then writes the children, links included, unhighlighted.

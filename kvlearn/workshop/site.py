@@ -98,11 +98,16 @@ def entry_of(found: re.Match, entries: list[Entry]) -> Entry:
 
 # --- the engine map ------------------------------------------------------------------------------
 
+def is_engine_map(text: str) -> bool:
+    """Whether a code block is the engine map: at least five `name ..... ch. N` lines."""
+    return sum(bool(MAP_LINE.match(line)) for line in text.splitlines()) >= 5
+
+
 def engine_map(nb: nbformat.NotebookNode) -> str:
     """The engine map in the chapter's opening cells (the ```text block whose lines name a chapter each)."""
     for cell in nb.cells[:3]:
         for block in re.findall(r"```text\n(.*?)```", cell.source, re.DOTALL):
-            if sum(bool(MAP_LINE.match(line)) for line in block.splitlines()) >= 5:
+            if is_engine_map(block):
                 return block
     raise ValueError("no engine map (a ```text block of `name ..... ch. N` lines) in the chapter's first cells")
 
@@ -114,9 +119,16 @@ def unmarked(block: str) -> str:
 
 # --- the pages -----------------------------------------------------------------------------------
 
-def readme_sections(text: str) -> dict[str, str]:
+class Sections(dict):
+    """The README's sections by heading; a missing one is a ValueError that names it."""
+
+    def __missing__(self, heading: str) -> str:
+        raise ValueError(f"README.md has no section '## {heading}': the site's landing page is made from it")
+
+
+def readme_sections(text: str) -> Sections:
     """The README's `## ` sections by heading; "" is the text before the first one (title removed)."""
-    sections, heading, lines = {}, "", []
+    sections, heading, lines = Sections(), "", []
     for line in text.splitlines():
         if line.startswith("## "):
             sections[heading], heading, lines = "\n".join(lines).strip() + "\n", line[3:].strip(), []
@@ -150,9 +162,12 @@ def chapter_table(readme: str, titles: dict[str, str]) -> str:
 
 
 def landing_page(readme: str, chapters: dict[str, nbformat.NotebookNode]) -> str:
+    """index.md: the README's opening, its two commands and chapter table, and the engine map."""
     sections = readme_sections(readme)
     intro = sections[""].replace("](docs/glossary.md)", "](glossary.md)").replace("[docs/glossary.md]", "[the glossary]")
-    commands = re.search(r"```bash\n.*?```", sections["The two commands"], re.DOTALL)[0]
+    commands = re.search(r"```bash\n.*?```", sections["The two commands"], re.DOTALL)
+    if commands is None:
+        raise ValueError("README.md's '## The two commands' has no ```bash block: the landing page shows it")
     titles = {name: chapter_title(nb) for name, nb in chapters.items()}
     first = next(iter(chapters.values()))
     toc = "\n".join(f"chapters/{name}" for name in chapters)
@@ -164,7 +179,7 @@ def landing_page(readme: str, chapters: dict[str, nbformat.NotebookNode]) -> str
 In a clone of the repository (Python >= 3.11, `make`, and the package index once; after that,
 everything runs offline):
 
-{commands}
+{commands[0]}
 
 `make notebooks` opens the chapters in JupyterLab. This site shows the same notebooks with the
 outputs they were committed with; nothing here runs code or loads anything from the network.
