@@ -72,6 +72,33 @@ def test_the_book_has_every_page(built_site):
     glossary = (built_site / "glossary.html").read_text()
     assert all(f'id="{e.label}"' in glossary for e in glossary_entries(GLOSSARY))
     assert "glossary.html#term-slot" in (built_site / "chapters" / "04_kv_pool.html").read_text()
+    # the guide's figures to project are links to the site's copy of figures/
+    assert 'href="figures/ch3_split.svg"' in (built_site / "instructor.html").read_text()
+
+
+class Links(HTMLParser):
+    """Every relative href and src of a page (what a reader can open or the browser fetches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.targets: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if name in ("href", "src") and value and not re.match(r"^(#|[a-z]+:|//)", value):
+                self.targets.append(value)
+
+
+@pytest.mark.slow
+def test_every_link_between_pages_leads_to_a_file(built_site):
+    broken = []
+    # _static/ holds the theme's template macros too (HTML files, not pages)
+    for page in sorted(p for p in built_site.rglob("*.html") if "_static" not in p.relative_to(built_site).parts):
+        parser = Links()
+        parser.feed(page.read_text(errors="replace"))
+        broken += [f"{page.relative_to(built_site)} -> {t}" for t in parser.targets
+                   if not (page.parent / re.split(r"[?#]", t)[0]).exists()]
+    assert not broken, "links to nothing:\n" + "\n".join(broken[:20])
 
 
 def test_parts_page_lists_every_build_exercise_from_the_checker():

@@ -7,7 +7,9 @@ the theme's fonts and icons are its own files, and nothing else is configured to
 
 At build time the chapters' words are linked to the glossary: in each chapter, the first use of
 each glossary word (outside code, titles and links) links to its entry, and the engine map that
-opens the chapter links each part's words to the glossary and each `ch. N` to chapter N.
+opens the chapter links each part's words to the glossary and each `ch. N` to chapter N. In every
+page, code that names `docs/glossary.md` or `docs/instructor.md` links to that page, and code that
+names a file of figures/ links to the site's copy of it.
 """
 
 import sys
@@ -19,7 +21,7 @@ from sphinx.transforms import SphinxTransform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: kvlearn.workshop.site
 
-from kvlearn.workshop.site import MAP_LINE, entry_of, glossary_entries, is_engine_map, words_pattern  # noqa: E402
+from kvlearn.workshop.site import EXTRA, MAP_LINE, entry_of, glossary_entries, is_engine_map, words_pattern  # noqa: E402
 
 project = "kvlearn"
 author = "the kvlearn authors"
@@ -31,7 +33,7 @@ nb_execution_mode = "off"          # the committed outputs, never re-executed
 nb_ipywidgets_js = {}              # never the widget scripts from a CDN (the views are gone anyway)
 nb_merge_streams = True
 myst_heading_anchors = 3
-exclude_patterns = ["**/.ipynb_checkpoints"]
+exclude_patterns = ["**/.ipynb_checkpoints", EXTRA]
 
 html_theme = "sphinx_book_theme"
 html_theme_options = {
@@ -50,7 +52,7 @@ html_copy_source = False           # the notebooks are in the repository; the si
 html_show_sourcelink = False
 html_last_updated_fmt = None
 
-# The repository's Markdown files the chapters name in code (`docs/glossary.md`): linked to their pages.
+# The repository's Markdown files the pages name in code (`docs/glossary.md`): linked to their pages.
 PAGES = {"docs/glossary.md": "/glossary", "docs/instructor.md": "/instructor"}
 
 # Where no link is added: code, titles, existing links, raw output, and the cells' outputs.
@@ -100,6 +102,7 @@ class GlossaryLinks(SphinxTransform):
 
     def apply(self, **kwargs) -> None:
         doc = self.env.docname
+        self._link_files(doc)
         if not (doc.startswith("chapters/") or doc == "index"):
             return
         entries, pattern = _entries(self.env)
@@ -109,10 +112,6 @@ class GlossaryLinks(SphinxTransform):
                 block.replace_self(self._map(block.astext().splitlines(), entries, pattern, chapters))
         if not doc.startswith("chapters/"):
             return
-        for literal in list(self.document.findall(nodes.literal)):
-            page = PAGES.get(literal.astext())
-            if page and not any(isinstance(a, nodes.reference) for a in _ancestors(literal)):
-                literal.replace_self(_xref(page, "doc", literal.astext(), literal=True))
         used: set = set()
         for text in list(self.document.findall(nodes.Text)):
             parent = text.parent
@@ -124,6 +123,20 @@ class GlossaryLinks(SphinxTransform):
                 parent.remove(text)
                 for offset, node in enumerate(linked):
                     parent.insert(index + offset, node)
+
+    def _link_files(self, doc: str) -> None:
+        """In every page, code that names a page of the site (`docs/glossary.md`) or a file of figures/
+        (`figures/ch3_steps.png`, copied into the site) becomes a link to it."""
+        extra = Path(self.env.srcdir) / EXTRA
+        for literal in list(self.document.findall(nodes.literal)):
+            text = literal.astext()
+            if any(isinstance(a, (nodes.reference, addnodes.pending_xref)) for a in _ancestors(literal)):
+                continue
+            if text in PAGES:
+                literal.replace_self(_xref(PAGES[text], "doc", text, literal=True))
+            elif text.startswith("figures/") and (extra / text).is_file():
+                literal.replace_self(nodes.reference("", "", nodes.literal(text, text),
+                                                     refuri="../" * doc.count("/") + text))
 
     def _map(self, lines, entries, pattern, chapters) -> nodes.literal_block:
         """The map as a parsed literal block: each line's name linked to the glossary, `ch. N` to chapter
@@ -157,6 +170,12 @@ def _classes(node) -> set:
     return {c for a in _ancestors(node) for c in a.get("classes", [])} if node.parent is not None else set()
 
 
+def _extra_files(app) -> None:
+    """What kvlearn.workshop.site staged in EXTRA (figures/) is copied into the site as it is."""
+    app.config.html_extra_path = [str(Path(app.srcdir) / EXTRA)]
+
+
 def setup(app):
+    app.connect("builder-inited", _extra_files)
     app.add_transform(GlossaryLinks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

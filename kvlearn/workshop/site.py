@@ -12,7 +12,9 @@ sources are staged (in build/site/src/), then Sphinx with docs/site/conf.py writ
 - glossary.md: docs/glossary.md with a label before each entry, which the chapters' pages link to;
 - instructor.md: docs/instructor.md;
 - parts.md: "Check your parts", written from `kvlearn.exercises.parts.BUILD` and the conformance
-  suites (`kvlearn.parts.conformance.SUITES`), so it says what the checker does today.
+  suites (`kvlearn.parts.conformance.SUITES`), so it says what the checker does today;
+- extra/figures/: figures/ as committed, copied into the site, where each `figures/NAME` the
+  pages name in code links to it (the guide lists the figures to project).
 
 The text helpers (glossary entries, the words that link to them, the engine map's lines) are used
 by docs/site/conf.py too, which links the chapters' words to the glossary at build time.
@@ -34,6 +36,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[2]   # the clone this module is in (an editable install)
 CONF_DIR = Path("docs") / "site"
+EXTRA = "extra"   # staged files the site carries as they are: figures/ (the guide names them to project)
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("*In Jupyter a slider here steps through the run (a widget: only a running kernel draws it); "
                "on this page the cells around it show its steps as pictures or text.*")
@@ -296,6 +299,7 @@ def stage(root: Path, dest: Path) -> list[str]:
     (dest / "index.md").write_text(landing_page(readme, chapters))
     (dest / "glossary.md").write_text(label_glossary((root / "docs" / "glossary.md").read_text()))
     shutil.copyfile(root / "docs" / "instructor.md", dest / "instructor.md")
+    shutil.copytree(root / "figures", dest / EXTRA / "figures")
     (dest / "parts.md").write_text(parts_page(list(chapters)))
     return list(chapters)
 
