@@ -173,12 +173,12 @@ def _check(name: str, impl, time_limit_s, programs, seed, restore, changed: list
         clock.part_s += time.perf_counter() - start
         clock.part_calls_s += outcome[2].seconds
         calls += outcome[2].calls
+        if outcome[0] not in ("ok", "timeout"):
+            ops, outcome = _shrink(suite, impl, setup, ops, outcome, clock)
         changed = restore()
         if changed:
             return CheckReport(name, label, False, _changed(head, changed, "while the programs ran"), i + 1, calls)
         if outcome[0] != "ok":
-            if outcome[0] != "timeout":
-                ops, outcome = _shrink(suite, impl, setup, ops, outcome, clock)
             return CheckReport(name, label, False, _failure(head, suite, i, programs, ops, outcome, clock),
                                i + 1, calls, clock.part_calls_s, clock.reference_calls_s)
     judge = getattr(suite.module, "JUDGE", "a brute-force reference")   # a suite may name its own

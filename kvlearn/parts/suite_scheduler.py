@@ -72,15 +72,15 @@ DECISIONS = (("preempted", "preempt"), ("decodes", "decode"), ("chunks", "chunk"
 
 class Referee(Scheduler):
     """The package's Scheduler, noting which waiting requests its admission looked at in the step, in
-    order (`visits`: (rid, cached, uncached tokens)), so a part's step can be replayed against its rules."""
+    order (`visits`: (rid, its uncached tokens)), so a part's step can be replayed against its rules."""
 
     def begin_step(self) -> None:
         super().begin_step()
-        self.visits: list[tuple[int, int, int]] = []
+        self.visits: list[tuple[int, int]] = []
 
     def queue_order(self):
         for req, cached in super().queue_order():
-            self.visits.append((req.rid, cached, len(req.token_ids) - cached))
+            self.visits.append((req.rid, len(req.token_ids) - cached))
             yield req, cached
 
 
@@ -199,19 +199,23 @@ def _admission_rule(ref: Referee, expected, got) -> str:
     its order, over the waiting requests it looked at, against what the part decided for each."""
     if expected.preempted:
         return "preempted"
-    started = [rid for rid, _, _ in got.prefills]
-    computed = {rid: n for rid, _, n in got.prefills}
+    prefills, deferred = getattr(got, "prefills", None), getattr(got, "deferred", None)
+    if not (isinstance(deferred, list) and isinstance(prefills, list)
+            and all(isinstance(p, tuple) and len(p) == 3 for p in prefills)):
+        return "base"   # the report is SchedulerBase's: start() and report.deferred fill it
+    started = [rid for rid, _, _ in prefills]
+    computed = {rid: n for rid, _, n in prefills}
     admitted = {rid: n for rid, _, n in expected.prefills}
     running = len(ref.running) - len(admitted)   # before this step's admissions
     budget = ref.max_batch_tokens - len(expected.decodes) - sum(n for _, _, n in expected.chunks)
     k = 0   # the admissions matched so far
-    for rid, _, uncached in ref.visits:
+    for rid, uncached in ref.visits:
         if budget <= 0:
             return "budget"
         if not ref.chunked_prefill and uncached > budget and (running or k):
             return "wait"
         if rid in expected.deferred:
-            if rid not in got.deferred:
+            if rid not in deferred:
                 return "defer"
         elif rid not in admitted:
             return "full"   # the referee's start() found the pool full
@@ -220,7 +224,7 @@ def _admission_rule(ref: Referee, expected, got) -> str:
                 return "admit"
             k, budget = k + 1, budget - admitted[rid]
         else:
-            return "defer" if rid in got.deferred else "order"
+            return "defer" if rid in deferred else "order"
     return "order"
 
 
