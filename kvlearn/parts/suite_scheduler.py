@@ -10,8 +10,9 @@ their own, built alike; every step, the part's decisions (who is preempted, deco
 chunk, is deferred, is admitted with how many tokens, and the batch itself) must be the
 reference's. When they are not, the hint names the first of the chapter's rules the part's step
 broke: the referee's admission is replayed, rule by rule in its order, over the waiting requests it
-looked at, against what the part decided for each. After every step the queues, statuses and stats must agree; at the end every request
-has finished with its tokens, and once the cache is evicted every slot and row is free.
+looked at (`Referee`), against what the part decided for each. After every step the queues,
+statuses and stats must agree; at the end every request has finished with its tokens, and once
+the cache is evicted every slot and row is free.
 """
 
 from __future__ import annotations
