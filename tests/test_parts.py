@@ -170,6 +170,7 @@ class MyBlockManager(BlockManagerBase):
         seq.block_table[:] = hit + self.new_blocks(seq.num_blocks - len(hit))
         seq.num_cached_tokens = len(hit) * self.block_size
         self.live_seqs.add(seq.seq_id)
+        self.count_hits(seq)
 
     def hash_blocks(self, seq, num_computed_tokens=None):
         self.check_live(seq)
@@ -208,7 +209,7 @@ class MyBlockManager(BlockManagerBase):
                     self.forget(block)
                     released.append(b)
         if released:
-            self.allocator.free(torch.tensor(released))
+            self.allocator.free(torch.tensor(released[::-1]))   # table order
         seq.block_table.clear()
         seq.num_cached_tokens = 0
         self.live_seqs.discard(seq.seq_id)
@@ -574,8 +575,9 @@ class QueueAllocator(AllocatorBase):
 
     def free(self, pages):
         pages = pages.tolist()
-        if len(set(pages)) != len(pages) or set(pages) & set(self.queue):
-            raise ValueError("double free")
+        if len(set(pages)) != len(pages) or set(pages) & set(self.queue) or not all(0 <= p < self.num_pages
+                                                                                  for p in pages):
+            raise ValueError("double free, or no such page")
         self.queue += pages
 
 
