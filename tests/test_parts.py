@@ -526,7 +526,9 @@ def evicts_locked_leaves():
 
 def accepts_a_double_free():
     class AcceptsADoubleFree(allocator_solution()):
-        def free(self, pages):   # no check: a free page goes on the stack a second time
+        def free(self, pages):   # no flag check: a free page goes on the stack a second time
+            if ((pages < 0) | (pages >= self.num_pages)).any():
+                raise ValueError("no such page")
             n = min(len(pages), self.num_pages - self.top)
             self.stack[self.top:self.top + n] = pages.flip(0)[:n]
             self.top += n
