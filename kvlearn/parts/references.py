@@ -1,9 +1,10 @@
 """Brute-force references that judge a part: they know nothing of nodes, heaps, hashes or padding.
 
 Each one keeps the state a chapter's structure stands for as plain Python data (dicts of token
-prefixes, sets of pages) and says what every call must return. Where the chapter leaves a choice
-open (which free page, which of several blocks freed at the same moment), the reference takes the
-part's choice once it has checked it is one of the allowed ones, and goes on from there. Attention
+prefixes, lists of free pages) and says what every call must return. Where the chapter leaves a
+choice open (where in a block table the new blocks go, which leaf a radix cache evicts among equally
+old ones), the reference takes the part's choice once it has checked it is one of the allowed ones,
+and goes on from there. Attention
 (chapter 5) is computed one query at a time, its keys read slot by slot. Used by
 `kvlearn.parts.check` and by the package's own property tests (tests/test_*_state_machine.py).
 """
