@@ -239,8 +239,9 @@ class MyAllocator(AllocatorBase):
     def free(self, pages):
         {BEGIN}
         pages = pages.tolist()
-        if len(set(pages)) != len(pages) or set(pages) & set(self.stack):
-            raise ValueError("double free")
+        if len(set(pages)) != len(pages) or set(pages) & set(self.stack) or not all(0 <= p < self.num_pages
+                                                                                  for p in pages):
+            raise ValueError("double free, or no such page")
         self.stack.extend(pages[::-1])
         {END}'''
 
