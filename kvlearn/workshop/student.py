@@ -12,9 +12,10 @@ execution count, when
 - it holds a solution block, or is a build exercise (`%%part NAME`), or
 - it calls one of SOLVED_CALLS (`check_part`, `use`, `earlier_part`, `gather`, `gather_parts`: what
   they print depends on the learner's part), or
-- it reads a name that a solved cell bound (by assignment, `def`, `class`, a loop; imports do not
-  count) and no later unsolved cell bound again; calling a function counts as reading the names
-  its body reads, so a function defined earlier does not hide a solved name.
+- it reads a name that a solved cell bound (by assignment, `def`, `class`, a loop variable; not by
+  an import) and that no cell bound anew since (an unsolved cell's binding, or any import, frees
+  the name); calling a function counts as reading the names its body reads, so a function defined
+  earlier does not hide a solved name.
 Cells are read in order with `ast` (magic lines left out), so this is transitive: a cell that
 reads MyRadixCache is solved, and so is every cell that reads what it computed. Not followed: a
 solved cell that only changes an object an unsolved cell made (a method call on it); the notebooks
