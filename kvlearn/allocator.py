@@ -20,6 +20,26 @@ import torch
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, check_positive_int
 
+_FEW_IDS = 256   # frees of at most this many ids are checked in Python: faster than tensor calls
+
+
+def check_free_ids(ids: torch.Tensor, limit: int, unit: str = "page") -> None:
+    """ValueError unless the 1-D int64 `ids` are distinct and each in [0, limit): what a `free`
+    checks before it changes anything (`unit` names them in the message: "page", "slot")."""
+    if ids.numel() == 0:
+        return
+    if ids.numel() <= _FEW_IDS:
+        values = ids.tolist()
+        low, high, repeated = min(values), max(values), len(set(values)) != len(values)
+    else:
+        low, high, repeated = int(ids.min()), int(ids.max()), torch.unique(ids).numel() != ids.numel()
+    if low < 0 or high >= limit:
+        raise ValueError(f"{unit.capitalize()} ids must be in [0, {limit}), got values from {low} to {high}: "
+                         f"free only {unit}s that alloc handed out.")
+    if repeated:
+        raise ValueError(f"Double free: the same {unit} appears more than once in one free() call: "
+                         f"list each {unit} once.")
+
 
 class PageAllocator:
     """Hands out and takes back page ids 0 .. num_pages - 1."""
@@ -60,10 +80,12 @@ class PageAllocator:
 
     def free(self, pages: torch.Tensor) -> None:
         """Give back distinct, allocated pages (a 1-D int64 tensor); `pages[0]` is handed out first
-        next time. ValueError, and nothing freed, on a page that is already free."""
+        next time. ValueError, and nothing freed, on a page listed twice, outside 0 .. num_pages - 1,
+        or already free."""
         if pages.numel() == 0:
             return
         pages = pages.to(self.device)
+        check_free_ids(pages, self.num_pages)
         if self._is_free[pages].any():
             bad = pages[self._is_free[pages]][:5].tolist()
             raise ValueError(f"Double free: page(s) {bad} are already free; each page may be freed once per alloc.")

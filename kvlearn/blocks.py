@@ -115,6 +115,7 @@ class BlockManagerBase:
       to reuse one, through `evict_one`);
     - `live_seqs`: the seq_ids that hold a block table from this manager (add in `allocate`,
       discard in `deallocate`); `check_new` and `check_live` read it.
+    `allocate` counts each sequence in `stats` with `count_hits(seq)`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -174,6 +175,15 @@ class BlockManagerBase:
         self.cached_blocks.clear()
         self.stats.evicted_blocks += len(evicted)
         return len(evicted) * self.block_size
+
+    def count_hits(self, seq: Sequence) -> None:
+        """Count an allocation in `stats`, once `seq.num_cached_tokens` is set (with prefix caching
+        only): `allocate` calls it for each sequence it gives a table; queries never do."""
+        if self.enable_prefix_caching:
+            self.stats.queries += 1
+            self.stats.query_tokens += seq.num_tokens
+            self.stats.hit_blocks += seq.num_cached_tokens // self.block_size
+            self.stats.hit_tokens += seq.num_cached_tokens
 
     def evict_one(self) -> int:
         """Take the least recently freed cached block for new KV: its hash must stop pointing here."""
@@ -290,11 +300,7 @@ class BlockManager(BlockManagerBase):
         seq.block_table[:] = hit + self._claim(fresh, seq.num_blocks - len(hit))
         seq.num_cached_tokens = len(hit) * self.block_size
         self.live_seqs.add(seq.seq_id)
-        if self.enable_prefix_caching:
-            self.stats.queries += 1
-            self.stats.query_tokens += seq.num_tokens
-            self.stats.hit_blocks += len(hit)
-            self.stats.hit_tokens += seq.num_cached_tokens
+        self.count_hits(seq)
 
     def _fresh_pages(self, n: int) -> list[int]:
         """Up to `n` free pages from the allocator: new blocks come from there first."""
@@ -314,8 +320,10 @@ class BlockManager(BlockManagerBase):
 
         num_computed_tokens: tokens of `seq` whose KV is written (default: all of them; pass less
         for a chunked prefill). Never call it between `append_token` and the forward pass that
-        computes that token. A block whose hash is already published by another block stays
-        unpublished (one copy is enough); it still remembers its hash, so it is not hashed again.
+        computes that token. Each full block without a hash gets its chained hash and tokens, and
+        `hash_to_block_id` gets the hash unless it already points at another block: that first
+        block stays the published copy, and this one is a copy (one is enough), unpublished for
+        good but keeping its hash, so no later call hashes it again.
         """
         self.check_live(seq)
         covered = min(seq.num_tokens, len(seq.block_table) * self.block_size)

@@ -20,7 +20,10 @@ class AllocatorPart(Protocol):
 
     Rules: a page is handed out at most once until it is freed (never twice); `alloc(n)` with fewer
     than `n` free pages raises `kvlearn.KVCapacityError` and takes nothing; `free` of a page that is
-    already free raises ValueError and frees nothing; `num_free + pages held by callers == num_pages`.
+    already free, listed twice, or outside 0 .. num_pages - 1 raises ValueError and frees nothing;
+    `num_free + pages held by callers == num_pages`. The free list is a stack (chapter 4): a fresh
+    allocator hands out 0, 1, 2, ...; `alloc(n)` takes the first `n` of `free_pages`; `free(pages)`
+    puts them back in front, `pages[0]` first, so the page freed last is handed out first.
     """
 
     num_pages: int  # query: pages it manages, ids 0 .. num_pages - 1
@@ -40,7 +43,8 @@ class AllocatorPart(Protocol):
         """Mutation: take `n` free pages; a 1-D int64 tensor of their ids."""
 
     def free(self, pages: torch.Tensor) -> None:
-        """Mutation: give back distinct pages (a 1-D int64 tensor) that `alloc` handed out."""
+        """Mutation: give back distinct pages (a 1-D int64 tensor) that `alloc` handed out;
+        `pages[0]` is handed out first next time."""
 
 
 class AllocatorBase:
