@@ -381,8 +381,10 @@ def run_part(part: str, source: str, equivalents: list[dict], jobs: int, timeout
     def progress(done, total):
         print(f"\r{part}: {done}/{total} mutants judged", end="", file=out, flush=True)
 
-    verdicts = judge(part, [m.source for m in mutants], jobs, timeout_s, progress)
-    print("\r" + " " * 60 + "\r", end="", file=out)
+    shown = out.isatty()
+    verdicts = judge(part, [m.source for m in mutants], jobs, timeout_s, progress if shown else None)
+    if shown:
+        print("\r" + " " * 60 + "\r", end="", file=out)
     killed = equivalent = 0
     survivors = []
     for mutant, verdict in zip(mutants, verdicts):
