@@ -261,14 +261,17 @@ def first_difference(a, b, where: str = "") -> str | None:
 
 @dataclass
 class Verdict:
+    """What became of one mutant: `killed`, `how` (check's hint line, or what ended the child) and
+    the seconds it took."""
+
     killed: bool
-    how: str          # the first line of check's report, or what ended the child
+    how: str
     seconds: float
 
 
 def _judge_in_child(part: str, source: str, write_fd: int) -> None:
-    """In the forked child: load the mutant, check it, write the verdict to `write_fd`, exit."""
-    code = 0
+    """In the forked child: load the mutant, check it, write the verdict to `write_fd`. Never
+    returns: the child ends here whatever happens (the parent's loop must not run in it)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -277,17 +280,16 @@ def _judge_in_child(part: str, source: str, write_fd: int) -> None:
             held = int(next(line for line in status if line.startswith("VmSize:")).split()[1]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_BYTES, held + MEMORY_BYTES))
         torch.set_num_threads(1)
-        report = check(part, load_part(part, source))
-        lines = report.message.splitlines()
-        verdict = {"killed": not report.passed,
+        result = check(part, load_part(part, source))
+        lines = result.message.splitlines()
+        verdict = {"killed": not result.passed,
                    "how": next((s for s in lines if s.startswith("Hint:")), lines[0])[:200]}
     except BaseException as error:   # whatever the mutant did, the parent gets a verdict
         verdict = {"killed": True, "how": f"loading or checking it raised {type(error).__name__}: {error}"[:200]}
     try:
-        os.write(write_fd, json.dumps(verdict).encode())
-    except BaseException:
-        code = 1
-    os._exit(code)
+        os.write(write_fd, json.dumps(verdict).encode())   # a few hundred bytes: one write, never blocks
+    finally:
+        os._exit(0)
 
 
 def judge(part: str, sources: list[str], jobs: int = 1, timeout_s: float = 60.0, progress=None) -> list[Verdict]:
@@ -346,6 +348,9 @@ def _read_all(fd: int) -> bytes:
 
 @dataclass
 class PartResult:
+    """One part's numbers: `mutants` judged, `killed`, `equivalent` (listed; they survived or not:
+    a killed one is also a problem), the `survivors` not listed, and `problems` with the listing."""
+
     part: str
     mutants: int
     killed: int
@@ -401,7 +406,8 @@ def run_part(part: str, source: str, equivalents: list[dict], jobs: int, timeout
                       sampled)
 
 
-def report(results: list[PartResult]) -> str:
+def summary(results: list[PartResult]) -> str:
+    """The table of the parts' numbers, then each survivor (with its entry for the listing) and each problem."""
     rows = [("part", "mutants", "killed", "equivalent", "survived", "kill rate", "time")]
     for r in results:
         rows.append((r.part + (" (sample)" if r.sampled else ""), str(r.mutants), str(r.killed), str(r.equivalent),
@@ -449,5 +455,5 @@ def main(argv=None) -> int:
             print(f"{name}: {results[-1].mutants} mutants, {results[-1].killed} killed, "
                   f"{results[-1].equivalent} equivalent, {len(results[-1].survivors)} survived", flush=True)
     print()
-    print(report(results))
+    print(summary(results))
     return 1 if any(r.survivors or r.problems for r in results) else 0
