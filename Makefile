@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site
+.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants
 
 setup: $(STAMP) dot
 
@@ -85,6 +85,18 @@ test-fast: setup
 
 thorough: setup
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
+
+# How strong is each part's referee? Every mutant Cosmic Ray makes of a line of a worked solution
+# (the %%part cells of notebooks/01-06) must fail that part's check, or be listed in
+# tests/data/mutants/<part>.json with why it behaves the same. Minutes, so not in `make test`; the
+# tool comes from requirements-mutants.txt, installed here only. `make mutants JOBS=2` judges two at once.
+MUTANTS_STAMP := $(VENV)/.kvlearn-mutants-installed
+mutants: setup $(MUTANTS_STAMP)
+	$(PY) -m kvlearn mutants $(if $(JOBS),--jobs $(JOBS))
+
+$(MUTANTS_STAMP): requirements-mutants.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-mutants.txt
+	touch $@
 
 # vLLM joins the bench as a peer once `make peers` has built its venv (the stamp says it finished).
 # Three workloads (a long shared system prompt; no sharing at all; a small one: 12 requests, a

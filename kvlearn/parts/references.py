@@ -22,7 +22,11 @@ class RadixReference:
 
     The clock ticks once per match or insert. A lock covers every prefix of the locked prefix.
     Eviction takes an unlocked leaf (a prefix that no other prefix extends) with the smallest key:
-    its time under "lru", (hits, time) under "lfu".
+    its time under "lru", (hits, time) under "lfu", and with it the rest of its node.
+
+    The tree's shape is kept as `ends`, the prefixes where a node ends: where a match stopped (the
+    tree splits an edge there) and where an insert ended; nowhere else. A node holds the pages
+    after the nearest shorter end up to its own; evicting a leaf takes all of them at once.
     """
 
     def __init__(self, page_size: int = 1, policy: str = "lru"):
@@ -32,6 +36,7 @@ class RadixReference:
         self.hits: dict[tuple, int] = {}
         self.clock = 0
         self.locks: list[tuple] = []   # one locked prefix per lock held
+        self.ends: set[tuple] = set()  # the prefixes where a node of the tree ends
 
     # --- queries ---------------------------------------------------------------------------------
     def aligned(self, key: tuple) -> tuple:
@@ -69,6 +74,10 @@ class RadixReference:
         parents = {p[:-self.page] for p in self.slot}
         return [p for p in self.slot if p not in parents and not self.locked(p)]
 
+    def node_start(self, end: tuple) -> tuple:
+        """Where the node ending at `end` starts: the longest shorter end on its path (or the root)."""
+        return max((e for e in self.ends if len(e) < len(end) and end[:len(e)] == e), key=len, default=())
+
     # --- mutations -------------------------------------------------------------------------------
     def _touch(self, key: tuple, n: int) -> None:
         for j in range(self.page, n + 1, self.page):
@@ -80,6 +89,8 @@ class RadixReference:
         n = self.cached_length(key)
         self.clock += 1
         self._touch(key, n)
+        if n:
+            self.ends.add(key[:n])
         for j in range(self.page, n + 1, self.page):
             self.hits[key[:j]] += 1
         return n, self.slots_of(key, n)
@@ -93,6 +104,7 @@ class RadixReference:
         for j in range(present + self.page, len(aligned) + 1, self.page):
             self.slot[key[:j]] = tuple(value[j - self.page:j])
             self.hits[key[:j]] = 0
+        self.ends.update(end for end in (key[:present], aligned) if end)
         self._touch(key, len(aligned))
         return present, self.slots_of(key, len(aligned))
 
@@ -115,8 +127,14 @@ class RadixReference:
             return f"it evicted a locked node (tokens {list(last)})"
         if self.evict_key(last) > min(map(self.evict_key, self.unlocked_leaves())):
             return f"it evicted tokens {list(last)} while a leaf used less recently was unlocked"
+        start = self.node_start(last)
+        if last not in self.ends or len(victims) * self.page != len(last) - len(start):
+            first = len(last) - len(victims) * self.page
+            return (f"it evicted tokens {list(last[first:])} of the node that holds tokens {list(last[len(start):])} "
+                    f"(after {list(start)}): a leaf leaves the tree whole")
         for p in victims:
             del self.slot[p], self.time[p], self.hits[p]
+        self.ends.discard(last)
         return None
 
 
