@@ -147,7 +147,8 @@ class RadixCache(RadixCacheBase):
 
     def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
         """`insert`, also returning the match of the whole (aligned) key after inserting it: the
-        tree's slots for every token and the node to lock while they are in use."""
+        tree's slots for every token and the node to lock while they are in use. One walk does
+        both here (the base's reads the path back after `insert`; this `insert` is built on it)."""
         key = self.as_key(key)
         value = self.as_value(value, len(key))
         key = self.aligned(key)

@@ -67,7 +67,7 @@ class TreeNode:
 
 
 class MatchResult:
-    """What `RadixCache.match_prefix` found: `indices` (slot ids of the matched tokens, in order),
+    """What a tree's `match_prefix` found: `indices` (slot ids of the matched tokens, in order),
     `last_node` (the node where the match ends, exactly: a partial edge match was split), and
     `len(result)`, the number of matched tokens. Lock `last_node` while the slots are in use."""
 
