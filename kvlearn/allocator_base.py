@@ -1,11 +1,6 @@
-"""The bookkeeping every page allocator of chapters 1 and 4 stands on.
-
-`AllocatorBase` is the base both allocators inherit: the package's `kvlearn.allocator.PageAllocator`
-and the one a learner writes in chapter 4 (`kvlearn.parts.AllocatorBase` is this class). It holds
-what the chapter does not teach: the checked size, the device, `num_free` and `is_free` read from
-the allocator's own `free_pages`, and a repr. The free list itself, `alloc`, `free` and
-`free_pages`, each allocator writes: kvlearn/allocator.py is the package's answer.
-"""
+"""`AllocatorBase`: the bookkeeping of a page allocator that chapter 4 does not teach, inherited by
+the package's `PageAllocator` (kvlearn/allocator.py, the chapter's answer) and by a learner's
+allocator alike (`kvlearn.parts.AllocatorBase` is this class)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The block vocabulary and the bookkeeping every block manager of chapters 1-2 stands on.
-
-A block is a page of the KV pool (`Block`: its id, how many block tables hold it, and once it is
-full and computed, its chained hash and tokens); `hash_block_tokens` is the chained hash of
-chapter 2. `BlockManagerBase` is the base both managers inherit: the package's
-`kvlearn.BlockManager` and the block table and manager a learner writes in chapters 1 and 2
-(`kvlearn.parts.BlockManagerBase` is this class). It holds what the chapters do not teach; the
-algorithm (allocate, may_append, deallocate, slot_mapping, the prefix lookup and hash_blocks) each
-manager writes: kvlearn/blocks.py is the package's answer.
-"""
+"""Blocks (`Block`, the chained hash `hash_block_tokens`) and `BlockManagerBase`: the bookkeeping of
+a block manager that chapters 1-2 do not teach, inherited by the package's `kvlearn.BlockManager`
+(kvlearn/blocks.py, the chapters' answer) and by a learner's block table and manager alike
+(`kvlearn.parts.BlockManagerBase` is this class)."""
 
 from __future__ import annotations
 

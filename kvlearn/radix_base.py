@@ -1,12 +1,6 @@
-"""The radix tree's nodes and the bookkeeping every radix cache of chapter 3 stands on.
-
-`RadixCacheBase` is the base both trees inherit: the package's `kvlearn.RadixCache` and the one a
-learner writes in chapter 3 (`kvlearn.parts.RadixCacheBase` is this class). It holds what the
-chapter does not teach: the checked constructor arguments, the root and fresh node ids, the input
-checks, whole pages, how children are keyed, and the queries that only read the nodes' `key`,
-`value` and `lock_ref` (the sizes, `match_len`, `unlocked_on_path`). What the chapter teaches, the
-walk that splits and stamps (`match_prefix`), `insert`, the locks and eviction, each tree writes
-itself: kvlearn/radix.py is the package's answer.
+"""The radix tree's nodes, and `RadixCacheBase`: the bookkeeping chapter 3 does not teach, inherited
+by the package's `kvlearn.RadixCache` (kvlearn/radix.py, the chapter's answer) and by a learner's
+tree alike (`kvlearn.parts.RadixCacheBase` is this class).
 
 Every node but the root holds at least one page of tokens, `len(key) == len(value)`; children are
 keyed by their first token (first page when `page_size > 1`).
