@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.device import resolve_device
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.allocator_base import AllocatorBase
+from kvlearn.errors import KVCapacityError
 
 _FEW_IDS = 256   # frees of at most this many ids are checked in Python: faster than tensor calls
 
@@ -41,13 +41,13 @@ def check_free_ids(ids: torch.Tensor, limit: int, unit: str = "page") -> None:
                          f"list each {unit} once.")
 
 
-class PageAllocator:
-    """Hands out and takes back page ids 0 .. num_pages - 1."""
+class PageAllocator(AllocatorBase):
+    """Hands out and takes back page ids 0 .. num_pages - 1. From `AllocatorBase`
+    (kvlearn/allocator_base.py, the base a learner's allocator inherits too): the checked size, the
+    device and the repr; this class keeps `num_free` as a counter and `is_free` as flags."""
 
     def __init__(self, num_pages: int, device=None):
-        check_positive_int("num_pages", num_pages)
-        self.device = resolve_device(device)
-        self.num_pages = num_pages
+        super().__init__(num_pages, device)
         # Fresh allocators hand out page 0 first: the stack holds num_pages-1 .. 0, top at the end.
         self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
         self._num_free = num_pages
@@ -93,6 +93,3 @@ class PageAllocator:
         self._stack[top:top + pages.numel()] = pages.flip(0)
         self._num_free = top + pages.numel()
         self._is_free[pages] = True
-
-    def __repr__(self) -> str:
-        return f"PageAllocator(pages={self.num_pages}, free={self._num_free})"

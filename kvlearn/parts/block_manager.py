@@ -11,7 +11,8 @@ as `cls(num_blocks, block_size, enable_prefix_caching=True, allocator=pool.alloc
 `blocks`, `is_cached` and `free_block_ids`. A learner adds the hash-chain lookup, hash_blocks and
 least-recently-freed reuse.
 
-`kvlearn.blocks.BlockManagerBase` (re-exported here) holds the rest for both.
+`BlockManagerBase` (kvlearn/blocks_base.py, re-exported here; `kvlearn.BlockManager` inherits it too)
+holds the rest for both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvlearn.blocks import Block, BlockManagerBase, PrefixCacheStats
+from kvlearn.blocks_base import Block, BlockManagerBase, PrefixCacheStats
 from kvlearn.sequence import Sequence
 
 __all__ = ["BlockTablePart", "BlockManagerPart", "BlockManagerBase"]
