@@ -543,7 +543,7 @@ def empty_allocator():
 
 
 WRONG_TURNS = [
-    ("radix_cache", split_forgets_lock_ref, ["cache.lock(", "protected_size: expected", "lock_ref"]),
+    ("radix_cache", split_forgets_lock_ref, ["cache.lock(", "Hint: a split must give the new upper node the lock_ref"]),
     ("radix_cache", evicts_locked_leaves, ["cache.evict(", "it evicted a locked node", "unlocked leaves"]),
     ("allocator", accepts_a_double_free, ["page", "is free", "expected ValueError", "check every page first"]),
     ("allocator", empty_allocator, ["Not yet", "lacks alloc, free, free_pages", "base class"]),

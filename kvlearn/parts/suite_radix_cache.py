@@ -16,6 +16,7 @@ import random
 import torch
 
 from kvlearn.parts.references import RadixReference
+from kvlearn.radix_base import RadixCacheBase
 from kvlearn.parts.trace import Broken, Trace, ints, number, same
 
 HINTS = {
@@ -34,6 +35,9 @@ HINTS = {
             "A split keeps the lower part as the same node object, so a lock held on it stays right.",
     "unlocked_on_path": "unlocked_on_path(node) counts the tokens from node up to the root in nodes whose "
                         "lock_ref is 0.",
+    "split_lock": "a split must give the new upper node the lock_ref of the node it was cut from: every lock "
+                  "below that node passes through it (unlocked_on_path is the base's and only reads lock_ref, "
+                  "so one of your nodes has a wrong lock_ref).",
     "evict": "evict(n) frees whole unlocked leaves, least recently used first (a match or insert that walks "
              "through a node makes it recent), handing each leaf's value to evict_callback; a parent left as "
              "an unlocked leaf goes in line too. It stops as soon as n tokens are freed, or when nothing "
@@ -159,7 +163,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                              trace.call(f"cache.unlocked_on_path({name}.last_node)", cache.unlocked_on_path, node))
                 trace.answer(str(got))
                 expect = page * sum(not ref.locked(prefix[:j]) for j in range(page, len(prefix) + 1, page))
-                same(f"cache.unlocked_on_path({name}.last_node)", expect, got, HINTS["unlocked_on_path"])
+                own = getattr(type(cache), "unlocked_on_path", None) is not RadixCacheBase.unlocked_on_path
+                same(f"cache.unlocked_on_path({name}.last_node)", expect, got,
+                     HINTS["unlocked_on_path" if own else "split_lock"])
             elif op == "bad_unlock" and prefix not in ref.locks:
                 trace.refused(f"cache.unlock({name}.last_node)   # nobody locked it", (ValueError,), cache.unlock,
                               node, hint=HINTS["bad_unlock"])
