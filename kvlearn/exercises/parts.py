@@ -55,7 +55,7 @@ MAX_PART_BYTES = 1 << 20
 IMPORT_LIMIT_S = 60.0
 STARTUP_LIMIT_S = 120.0
 CHECK_LIMIT_S = 10.0                  # `check`'s own limit; the check and its shrinking take at most twice that
-CHAIN_VARIABLE = "KVLEARN_PARTS_BUILDING"   # the parts being built by the processes above this one
+CHAIN_VARIABLE = "KVLEARN_PARTS_BUILDING"   # set in a check's process: the parts being built by those above it
 _building: list[str] = []             # the parts whose module (or %%part cell) this process is running
 
 # The build exercises in course order: part name -> (chapter, the name its %%part cell defines).
@@ -263,12 +263,13 @@ def _read_part(path: Path) -> str:
     """The text of a part's file. FileNotFoundError when there is none; ValueError saying why when
     it is not a regular file, is over MAX_PART_BYTES, or is not UTF-8. Never blocks (a FIFO, a device)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))   # a directory opens too, and says so
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+        raise ValueError(f"{path.parent.name}/{path.name} is {kind}, not a file: remove it and run the "
+                         f"part's %%part cell again")
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a device, pipe or socket"
-            raise ValueError(f"{path.parent.name}/{path.name} is {kind}, not a file: remove it and run the "
-                             f"part's %%part cell again")
         data = f.read(MAX_PART_BYTES + 1)
     if len(data) > MAX_PART_BYTES:
         raise ValueError(f"{path.parent.name}/{path.name} is over {MAX_PART_BYTES:,} bytes, far more than a "
@@ -375,7 +376,7 @@ class _Zygote:
     def __init__(self):
         import kvlearn
 
-        self.nested = bool(_chain())   # inside a part's process: killed with it
+        self.nested = CHAIN_VARIABLE in os.environ   # inside a check's process: killed with it
         self.lock = threading.Lock()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(kvlearn.__file__).parent.parent),
                                                            *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -405,7 +406,7 @@ class _Zygote:
         if not self.ready:
             return False, f"starting Python for the check failed or took over {STARTUP_LIMIT_S:g} s", ""
         job = {"name": name, "attribute": attribute, "folder": str(folder), "text": text,
-               "chain": [*_chain(), name], "known": [[*k, *v] for k, v in (_verdicts or {}).items()]}
+               "chain": _chain(), "known": [[*k, *v] for k, v in (_verdicts or {}).items()]}
         self.stderr.seek(0, os.SEEK_END)
         said_from = self.stderr.tell()
         try:
@@ -519,7 +520,7 @@ def _check_job(job: dict, say) -> None:
     The check is taken before the module runs; a module that changes kvlearn or torch (the check's
     code) or rebinds its part during the check fails, whatever the check said."""
     global _verdicts
-    if not job["chain"][:-1]:
+    if not job["chain"]:
         os.setpgid(0, 0)   # a group of its own: killing it kills what the part started
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # the next jobs are the zygote's to read
     sys.stdin = open(os.devnull)
