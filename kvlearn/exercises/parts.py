@@ -16,7 +16,9 @@ import MyBlockTable`).
   exercise can be written and checked before the earlier one is done;
 - `gather(folder)` (chapter 9) reads every saved part afresh, checks it again and returns the ones
   that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make course` prints
-  the same table for the folder the chapters wrote).
+  the same table for the folder the chapters wrote). Each part is imported and checked in a fresh
+  process with time limits, so a part that loops, exits or changes the check at import is a row of
+  the table, not a hung or broken call.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import math
 import os
 import queue
+import resource
 import signal
 import stat
 import subprocess
@@ -166,8 +169,8 @@ class Gathered:
 def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> list[Gathered]:
     """Check every part of BUILD saved in `folder` (my_parts/NAME.py, read afresh: edits since the
     last import count); one row per part, in course order. Each part is imported and checked in a
-    fresh Python process of its own, killed when the import takes over `import_limit_s` or the check
-    over twice `check`'s limit, so no part can hang this call, end it, or change the check of
+    fresh process of its own (`_Zygote`), killed when the import takes over `import_limit_s` or the
+    check over twice `check`'s limit, so no part can hang this call, end it, or change the check of
     another; a part that passes is then imported here for the engine. A part's module may import an
     earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The
     modules run in the folder's parent, the notebooks' folder they were written from, so
@@ -405,7 +408,7 @@ class _Zygote:
         path = part_path(name, folder)
         if not self.ready:
             return False, f"starting Python for the check failed or took over {STARTUP_LIMIT_S:g} s", ""
-        job = {"name": name, "attribute": attribute, "folder": str(folder), "text": text,
+        job = {"name": name, "attribute": attribute, "folder": str(folder), "text": text, "limit_s": import_limit_s,
                "chain": _chain(), "known": [[*k, *v] for k, v in (_verdicts or {}).items()]}
         self.stderr.seek(0, os.SEEK_END)
         said_from = self.stderr.tell()
@@ -450,11 +453,11 @@ class _Zygote:
         """Kill the fork `pid` with whatever it started (its process group), then wait for the zygote
         to say it ended; without a pid, or if the zygote does not say so, stop the zygote itself."""
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                if self.nested:
-                    os.kill(pid, signal.SIGKILL)
-                else:
+            if not self.nested:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(queue.Empty):
                 while (line := self.lines.get(timeout=30)) is not None:
                     if line.startswith("end "):
@@ -508,6 +511,8 @@ def _zygote() -> None:
         if pid == 0:
             try:
                 _check_job(job, say)
+            except BaseException:   # a kvlearn bug: its traceback goes to the zygote's stderr
+                sys.excepthook(*sys.exc_info())
             finally:
                 os._exit(1)
         say(f"pid {pid}")
@@ -520,8 +525,10 @@ def _check_job(job: dict, say) -> None:
     The check is taken before the module runs; a module that changes kvlearn or torch (the check's
     code) or rebinds its part during the check fails, whatever the check said."""
     global _verdicts
-    if not job["chain"]:
+    if CHAIN_VARIABLE not in os.environ:   # (else it stays in the group of the check that asked)
         os.setpgid(0, 0)   # a group of its own: killing it kills what the part started
+    cpu_s = math.ceil(job["limit_s"] + 2 * CHECK_LIMIT_S + 60)   # even if nobody is left to kill it
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # the next jobs are the zygote's to read
     sys.stdin = open(os.devnull)
     os.environ[CHAIN_VARIABLE] = ",".join(job["chain"])
