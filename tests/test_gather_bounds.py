@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvlearn.exercises.parts import MAX_PART_BYTES, earlier_part, gather, gather_parts, save_part
+from kvlearn.exercises.parts import CHAIN_VARIABLE, MAX_PART_BYTES, earlier_part, gather, gather_parts, save_part
 from kvlearn.parts import PARTS
 from tests.test_capstone import stand_in
 
@@ -88,7 +88,7 @@ def test_yours_only_for_the_class_the_module_defines_and_that_was_checked(tmp_pa
     assert rebinds != stand_in("allocator")
     save_part("allocator", "from kvlearn.allocator import PageAllocator\n" + rebinds, folder)
     save_part("radix_cache", "import os\n" + stand_in("radix_cache") + "\n\n\nclass Other(MyRadixCache):\n    pass\n\n\n"
-              "if 'KVLEARN_PARTS_BUILDING' not in os.environ:   # not where it is checked\n"
+              f"if {CHAIN_VARIABLE!r} not in os.environ:   # not where it is checked\n"
               "    MyRadixCache = Other\n", folder)
     found = rows(folder)
     assert {name: r.verdict for name, r in found.items()} == {
