@@ -402,7 +402,13 @@ class _Zygote:
         fork is killed after `import_limit_s` to import the module, or twice CHECK_LIMIT_S and a
         minute to check it; whatever it does, it changes nothing here."""
         with self.lock:
-            return self._check(name, attribute, folder, text, import_limit_s)
+            self.pid = None
+            try:
+                return self._check(name, attribute, folder, text, import_limit_s)
+            except BaseException:   # a Ctrl-C meanwhile: the fork and the zygote go, the next check starts anew
+                self._kill(self.pid)
+                self.close()
+                raise
 
     def _check(self, name: str, attribute: str, folder: Path, text: str, import_limit_s: float) -> tuple[bool, str, str]:
         path = part_path(name, folder)
@@ -432,7 +438,7 @@ class _Zygote:
                 return False, f"the check's Python ended while {doing}", ""
             word, _, rest = line.partition(" ")
             if word == "pid" and pid is None and rest.isdigit():
-                pid = int(rest)
+                pid = self.pid = int(rest)
             elif word == "imported" and verdict is None:
                 doing, limit = f"checking {attribute}", 2 * CHECK_LIMIT_S + 60
                 deadline = time.monotonic() + limit
@@ -449,15 +455,20 @@ class _Zygote:
                 verdict = (False, f"while checking {path.name}, its process said {line[:80]!r}: a part writes "
                                   "only to files it opened", "")
 
-    def _stop(self, pid: int | None) -> None:
-        """Kill the fork `pid` with whatever it started (its process group), then wait for the zygote
-        to say it ended; without a pid, or if the zygote does not say so, stop the zygote itself."""
+    def _kill(self, pid: int | None) -> None:
+        """Kill the fork `pid` with whatever it started (its process group)."""
         if pid is not None:
             if not self.nested:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def _stop(self, pid: int | None) -> None:
+        """Kill the fork `pid`, then wait for the zygote to say it ended; without a pid, or if the
+        zygote does not say so, stop the zygote itself."""
+        if pid is not None:
+            self._kill(pid)
             with contextlib.suppress(queue.Empty):
                 while (line := self.lines.get(timeout=30)) is not None:
                     if line.startswith("end "):
