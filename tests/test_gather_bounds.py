@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from kvlearn.exercises.parts import CHAIN_VARIABLE, MAX_PART_BYTES, earlier_part, gather, gather_parts, save_part
+from kvlearn.exercises.part_modules import CHAIN_VARIABLE, MAX_PART_BYTES
+from kvlearn.exercises.parts import earlier_part, gather, gather_parts, save_part
 from kvlearn.parts import PARTS
 from tests.test_capstone import stand_in
 
