@@ -70,7 +70,9 @@ def _file_hash(path: Path) -> str:
             return xxhash.xxh3_64_hexdigest(data)
 
 
-def _write_integrity_record(folder: Path) -> None:
+def write_integrity_record(folder: Path) -> None:
+    """Write `folder`'s INTEGRITY_FILE: the size and xxh3-64 hash of every other file in it (what
+    `cache_problem` checks at each load)."""
     files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": _file_hash(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != INTEGRITY_FILE}
     (folder / INTEGRITY_FILE).write_text(json.dumps({"files": files}, indent=1) + "\n")
@@ -122,7 +124,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_tmp(root: Path) -> None:
+def remove_stale_tmp(root: Path) -> None:
     """Remove `.tmp-*` folders left by killed conversions: those made on this host by a process that
     no longer runs, and any older than STALE_TMP_SECONDS (another host's, or a reused pid). A live
     conversion's folder is younger than that and its pid runs, so it is left alone."""
@@ -150,7 +152,7 @@ def _make_tmp(target: Path) -> Path:
         raise type(err)(f"Cannot write the model cache in {target.parent} ({err.strerror or err}): {fix}.") from None
 
 
-def _install(tmp: Path, target: Path) -> None:
+def install_copy(tmp: Path, target: Path) -> None:
     """Rename the finished copy `tmp` to `target`, moving a damaged `target` aside first. Another
     process may finish its conversion at the same moment: a whole copy at `target` is then kept."""
     if cache_problem(target) is None:
@@ -176,7 +178,7 @@ def _convert(target: Path) -> None:
     gguf = model_path()
     tmp = _make_tmp(target)
     try:
-        _remove_stale_tmp(target.parent)
+        remove_stale_tmp(target.parent)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -187,8 +189,8 @@ def _convert(target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _write_integrity_record(tmp)
-        _install(tmp, target)
+        write_integrity_record(tmp)
+        install_copy(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

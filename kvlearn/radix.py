@@ -122,6 +122,18 @@ class RadixCache(RadixCacheBase):
         """Nodes in the tree, the root included."""
         return len(self._nodes)
 
+    @property
+    def clock(self) -> int:
+        """The logical clock: it ticks once per `match_prefix` and `insert`, and a node's `last_access`
+        is its value at the node's last touch (a pure query such as `match_len` leaves both)."""
+        return self._clock
+
+    @property
+    def eviction_heap(self) -> list[tuple]:
+        """A sorted copy of the eviction heap: (eviction key, node id) of every unlocked leaf, plus
+        stale entries of nodes touched, locked or removed since (rebuilt when they outnumber the rest)."""
+        return sorted(self._heap)
+
     def __repr__(self) -> str:
         text = super().__repr__()
         return text if self.eviction_policy == "lru" else f"{text[:-1]}, eviction_policy={self.eviction_policy})"

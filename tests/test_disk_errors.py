@@ -201,8 +201,9 @@ def test_fifos_links_devices_and_folders_named_like_entries_are_misses_in_bounde
     assert float(seconds) < 5
 
 
-# --- abort: every request leaves, then the first error ------------------------------------------------
-def test_abort_takes_every_request_out_and_returns_their_slots_before_raising(tmp_path, monkeypatch):
+# --- abort: every request leaves, then every error ------------------------------------------------
+@pytest.mark.parametrize("failing", [(0,), (0, 2)])
+def test_abort_takes_every_request_out_and_returns_their_slots_before_raising(tmp_path, monkeypatch, failing):
     kv = RadixKV(KVPool(1, 1, 1, 256))
     scheduler, forward = Scheduler(kv, 64, "fcfs", (EOS,)), PoolForward(kv.pool)
     requests = [Request(i, p, MAX_NEW) for i, p in enumerate(PROMPTS)]
@@ -213,15 +214,20 @@ def test_abort_takes_every_request_out_and_returns_their_slots_before_raising(tm
     assert len(scheduler.running) > 2
     release, failures = kv.release, []
 
-    def fail_once_for_two(req):  # the first release of two requests fails (a disk write, say)
-        if req.rid in (0, 2) and req.rid not in failures:
+    def fail_once(req):  # the first release of these requests fails (a disk write, say)
+        if req.rid in failing and req.rid not in failures:
             failures.append(req.rid)
             raise OSError(errno.EIO, f"injected for r{req.rid}")
         release(req)
-    monkeypatch.setattr(kv, "release", fail_once_for_two)
-    with pytest.raises(OSError, match="injected for r0"):
+    monkeypatch.setattr(kv, "release", fail_once)
+    with pytest.raises((OSError, ExceptionGroup)) as raised:
         scheduler.abort(requests)
-    assert failures == [0, 2] and not scheduler.has_unfinished()
+    if len(failing) == 1:   # the one error itself
+        assert isinstance(raised.value, OSError) and str(raised.value) == "[Errno 5] injected for r0"
+    else:                   # every error, in order
+        assert isinstance(raised.value, ExceptionGroup) and "2 releases failed" in str(raised.value)
+        assert [str(e) for e in raised.value.exceptions] == ["[Errno 5] injected for r0", "[Errno 5] injected for r2"]
+    assert failures == list(failing) and not scheduler.has_unfinished()
     assert all(r.status == "aborted" and r.kv is None for r in requests)
     kv.check([])
     kv.evict_all()

@@ -54,7 +54,7 @@ def fill(cache, page_size=1):
 
 
 def radix_state(tree):
-    return tree._clock, [(n.id, n.key, n.last_access, n.lock_ref, n.value.tolist()) for n in tree.nodes()]
+    return tree.clock, [(n.id, n.key, n.last_access, n.lock_ref, n.value.tolist()) for n in tree.nodes()]
 
 
 @pytest.mark.parametrize("cache, page_size", [("radix", 1), ("radix", 4), ("blocks", 4)])

@@ -22,7 +22,7 @@ def fake_copy(folder: Path) -> Path:
     folder.mkdir(parents=True)
     for name in km.NEEDED_FILES:
         (folder / name).write_bytes(f"{name} ".encode() * 1000)
-    km._write_integrity_record(folder)
+    km.write_integrity_record(folder)
     return folder
 
 
@@ -103,12 +103,12 @@ def test_install_replaces_a_damaged_copy_and_keeps_a_whole_one(tmp_path):
     target = fake_copy(tmp_path / "copy")
     damage(target, "truncated")
     new = fake_copy(tmp_path / ".tmp-new")
-    km._install(new, target)
+    km.install_copy(new, target)
     assert km.cache_problem(target) is None and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # the damaged copy was removed
     other = fake_copy(tmp_path / ".tmp-other")
     (other / "config.json").write_text("different")
-    km._install(other, target)  # another process installed a whole copy first: it stays
+    km.install_copy(other, target)  # another process installed a whole copy first: it stays
     assert (target / "config.json").read_text() != "different"
 
 
@@ -166,7 +166,7 @@ def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
         (tmp_path / name / "model.safetensors").write_text("partial")
     two_hours_ago = time.time() - 2 * km.STALE_TMP_SECONDS
     os.utime(tmp_path / ".tmp-old-and-stale", (two_hours_ago, two_hours_ago))
-    km._remove_stale_tmp(tmp_path)
+    km.remove_stale_tmp(tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {name for name, kept in names.items() if kept}
 
 

@@ -20,8 +20,8 @@ def shape(cache):
 
 def state(cache):
     """Everything observable, to check that a rejected call changed nothing."""
-    return (shape(cache), [(n.id, n.last_access) for n in cache.nodes()], cache._clock,
-            sorted(cache._heap), cache.evictable_size, cache.protected_size)
+    return (shape(cache), [(n.id, n.last_access) for n in cache.nodes()], cache.clock,
+            cache.eviction_heap, cache.evictable_size, cache.protected_size)
 
 
 def recorder():
@@ -217,7 +217,7 @@ def test_heap_of_stale_entries_stays_bounded():
     cache.insert([1, 2, 3], slots(0, 1, 2))
     for _ in range(5000):
         cache.match_prefix([1, 2, 3])  # each touch pushes a new entry for the leaf
-    assert len(cache._heap) <= 2 * cache.num_nodes + 65
+    assert len(cache.eviction_heap) <= 2 * cache.num_nodes + 65
     cache.check_invariants()
 
 
@@ -280,10 +280,10 @@ def test_unlock_takes_only_a_node_that_was_locked_itself():
 def test_insert_prefix_returns_what_to_lock_without_a_second_walk():
     cache = RadixCache()
     cache.insert([1, 2, 3], slots(10, 11, 12))
-    clock = cache._clock
+    clock = cache.clock
     present, match = cache.insert_prefix([1, 2, 3, 4, 5], slots(20, 21, 22, 23, 24))
     assert (present, match.indices.tolist(), match.last_node.key) == (3, [10, 11, 12, 23, 24], (4, 5))
-    assert cache._clock == clock + 1 and cache.match_len([1, 2, 3, 4, 5, 6]) == 5
+    assert cache.clock == clock + 1 and cache.match_len([1, 2, 3, 4, 5, 6]) == 5
 
 
 def test_locking_an_evicted_node_is_refused():
@@ -525,8 +525,8 @@ def test_lfu_exercise_checkers(capsys):
     trace = ch03.chat_trace()
     longest = max(len(prompt) + len(answer) for prompt, answer in trace)
     pools = [longest, 2 * longest]
-    lru = {n: ch03._hit_rate(trace, n, "lru") for n in pools}
-    lfu = {n: ch03._hit_rate(trace, n, "lfu") for n in pools}
+    lru = {n: ch03.reference_hit_rate(trace, n, "lru") for n in pools}
+    lfu = {n: ch03.reference_hit_rate(trace, n, "lfu") for n in pools}
     assert all(lfu[n] < lru[n] for n in pools) and lru[2 * longest] - lfu[2 * longest] > 0.2  # the lesson holds
     assert ch03.check_lfu_measured(lru, lfu, "b")
     assert not ch03.check_lfu_measured(lru, lfu, "a")

@@ -47,9 +47,9 @@ class RadixMachine(RuleBasedStateMachine):
     def do_match(self, key):
         key = tuple(key)
         expect = self.ref.cached_length(key)
-        before = self.cache._clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]
+        before = self.cache.clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]
         assert self.cache.match_len(list(key)) == expect
-        assert (self.cache._clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]) \
+        assert (self.cache.clock, [(n.id, n.key, n.last_access, n.lock_ref) for n in self.cache.nodes()]) \
             == before  # a pure query: no split, no tick
         result = self.cache.match_prefix(list(key))
         assert (len(result), result.indices.tolist()) == self.ref.match(key)

@@ -288,10 +288,10 @@ def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_fi
 def test_cache_aware_hashes_a_shared_first_part_once_with_the_same_chain():
     p = CacheAware(2, tree_page_size=16)
     trace = multi_tenant_trace(300, num_tenants=4, seed=5)
-    assert all(p._chain(r) == page_hashes(r.prompt_ids, 16) for r in trace)
-    assert len(p._heads) == 4   # one per tenant's system prompt
+    assert all(p.prompt_chain(r) == page_hashes(r.prompt_ids, 16) for r in trace)
+    assert p.num_shared_heads == 4   # one per tenant's system prompt
     odd = TraceRequest("odd", 0.0, ((1, 2, 3), tuple(range(40))), 4)   # a first part shorter than a page
-    assert p._chain(odd) == page_hashes(odd.prompt_ids, 16)
+    assert p.prompt_chain(odd) == page_hashes(odd.prompt_ids, 16)
 
 
 def test_cache_aware_follows_its_own_decisions():

@@ -77,7 +77,7 @@ def routing_share(trace, replicas, slots):
 
 @pytest.mark.slow   # six fleets of 200 requests: about 8 s
 def test_routing_share_checker(capsys):
-    rr, aware, pooled = ch07._routing_share_reference(4, 3072)
+    rr, aware, pooled = ch07.reference_routing_rates(4, 3072)
     assert rr < aware < pooled                                 # routing recovers part of the pool's gain
     assert ch07.check_routing_share(routing_share)
     assert not ch07.check_routing_share(lambda t, r, s: (aware - rr) / pooled)   # forgot the baseline

@@ -114,11 +114,11 @@ def chat_trace(num_conversations: int = 40, open_at_once: int = 4, seed: int = 0
     return trace
 
 
-def _hit_rate(trace, num_slots: int, policy) -> float:
-    """Reference for exercise 3, the notebook's `hit_rate`: per turn, match all but the last prompt
-    token, lock, take slots for the rest and the answer (evicting when the pool is short), insert
-    prompt + answer, give back the slots of tokens the tree already had, unlock. Returns the share
-    of prompt tokens taken from the cache."""
+def reference_hit_rate(trace, num_slots: int, policy) -> float:
+    """The reference `check_lfu_measured` compares with, the notebook's `hit_rate` (exercise 3): per
+    turn, match all but the last prompt token, lock, take slots for the rest and the answer
+    (evicting when the pool is short), insert prompt + answer, give back the slots of tokens the
+    tree already had, unlock. Returns the share of prompt tokens taken from the cache."""
     pool = {"free": num_slots}
 
     def give_back(slots):
@@ -161,7 +161,7 @@ def check_lfu_measured(lru: dict, lfu: dict, why: str) -> bool:
                              "(ints): hit_rate(trace, n, 'lru') and hit_rate(trace, n, 'lfu').")
     trace = chat_trace()
     for n in sorted(lru):
-        want = (_hit_rate(trace, n, "lru"), _hit_rate(trace, n, "lfu"))
+        want = (reference_hit_rate(trace, n, "lru"), reference_hit_rate(trace, n, "lfu"))
         if not all(isinstance(x, (int, float)) and abs(x - w) < 1e-9 for x, w in zip((lru[n], lfu[n]), want)):
             return report(False, f"at {n} slots LRU reuses {want[0]:.2f} of the prompt tokens and LFU {want[1]:.2f}, "
                                  f"you have {lru[n]!r} and {lfu[n]!r}: measure with hit_rate on ch03.chat_trace(), "

@@ -128,7 +128,10 @@ def check_capacity(capacity_for) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _routing_share_reference(replicas: int, slots: int) -> tuple[float, float, float]:
+def reference_routing_rates(replicas: int, slots: int) -> tuple[float, float, float]:
+    """The hit rates `check_routing_share` compares with (exercise 4): round robin, cache-aware and a
+    pooled fleet (least_load with `pool_tokens = replicas * slots`) on the first 200 requests of
+    section 4's trace, `replicas` replicas of `slots` slots."""
     from kvlearn.routing.fleet import simulate_fleet
 
     trace = _pooled_trace()
@@ -155,7 +158,7 @@ def check_routing_share(routing_share) -> bool:
         return report(False, error)
     if isinstance(answer, bool) or not isinstance(answer, (int, float)):
         return report(False, f"routing_share must return a number (a share, e.g. 0.5), got {answer!r}.")
-    rr, aware, pooled = _routing_share_reference(replicas, slots)
+    rr, aware, pooled = reference_routing_rates(replicas, slots)
     want = (aware - rr) / (pooled - rr)
     if abs(answer - want) <= 0.01:
         return report(True, "")

@@ -16,35 +16,30 @@ import MyBlockTable`).
   exercise can be written and checked before the earlier one is done;
 - `gather(folder)` (chapter 9) reads every saved part afresh, checks it again and returns the ones
   that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make course` prints
-  the same table for the folder the chapters wrote).
+  the same table for the folder the chapters wrote). Each part is imported and checked in a fresh
+  process with time limits, so a part that loops, exits or changes the check at import is a row of
+  the table, not a hung or broken call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import importlib.util
-import sys
+import functools
+import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlearn.exercises import NOT_YET, OK
+from kvlearn.exercises import NOT_YET, OK, part_modules
+from kvlearn.exercises.part_modules import FOLDER, IMPORT_LIMIT_S, part_path
 from kvlearn.parts import check as check_impl   # the checker, imported before any part (a part cannot swap it)
 from kvlearn.serving.part_registry import REGISTRY
 from kvlearn.workshop.student import replace_file
 
-FOLDER = "my_parts"
 _passed: dict[str, object] = {}   # part name -> the impl that last passed check_part
 
 # The build exercises in course order: part name -> (chapter, the name its %%part cell defines).
 BUILD = {part.name: (part.chapter, part.exercise) for part in REGISTRY}
-
-
-def part_path(name: str, folder: str | Path = FOLDER) -> Path:
-    if not name.isidentifier():
-        raise ValueError(f"%%part {name!r}: give the part's module name, a Python identifier such as "
-                         "block_manager (the cell is saved as my_parts/<name>.py).")
-    return Path(folder) / f"{name}.py"
 
 
 def save_part(name: str, source: str, folder: str | Path = FOLDER) -> Path:
@@ -62,7 +57,8 @@ def part(line: str, cell: str) -> None:
     path = save_part(line.strip(), cell)
     ip = get_ipython()
     code = compile(cell, str(path), "exec")   # tracebacks show the saved file's lines (same numbers)
-    exec(code, ip.user_ns)
+    with part_modules.building_part(path.stem):
+        exec(code, ip.user_ns)
 
 
 def load_ipython_extension(ipython) -> None:
@@ -95,12 +91,19 @@ def use(name: str, impl):
     return package
 
 
-def earlier_part(name: str, attr: str, folder: str | Path = FOLDER):
-    """`attr` of your part `name` as saved in `folder/name.py`, if it passes `kvlearn.parts.check`;
-    else the package's part `kvlearn.parts.PARTS[name]`. Says which, in one line."""
+def earlier_part(name: str, attr: str, folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S):
+    """`attr` of your part `name` as saved in `folder/name.py`, if it passes `kvlearn.parts.check`
+    (checked as `gather` checks, in a fresh process); else the package's part
+    `kvlearn.parts.PARTS[name]`. Says which, in one line. Refused (RuntimeError) from inside part
+    `name`'s own module or cell: a part builds on an earlier chapter's part, never on itself."""
     from kvlearn.parts import PARTS
 
-    row = _gather_one(name, BUILD[name][0], attr, Path(folder))
+    chain = part_modules.building_chain()
+    if name in chain:
+        raise RuntimeError(f"earlier_part({name!r}, {attr!r}) inside the {name} part itself (building "
+                           f"{' -> '.join(chain)}): a part builds on an earlier chapter's part, never on "
+                           f"itself; remove this call from the %%part {name} cell.")
+    row = _gather_one(name, BUILD[name][0], attr, Path(folder), import_limit_s)
     if row.verdict == "yours":
         print(f"(building on your {attr} from {folder}/{name}.py: it passes check_part({name!r}, ...))")
         return row.impl
@@ -113,10 +116,10 @@ def earlier_part(name: str, attr: str, folder: str | Path = FOLDER):
 
 @dataclass(frozen=True)
 class Gathered:
-    """One part as `gather_parts` found it. `verdict`: "yours" (it passed `kvlearn.parts.check`),
-    "missing" (no module) or "fails check" (the module does not import, lacks the name, or fails the
-    check); `note`: why, in one line;
-    `impl`: the learner's class or function once imported (None otherwise)."""
+    """One part as `gather_parts` found it. `verdict`: "yours" (the class or function the module
+    defines passed `kvlearn.parts.check`), "missing" (no module) or "fails check" (the module is not
+    a readable file of at most MAX_PART_BYTES, does not import within its limit, lacks the name, or
+    fails the check); `note`: why, in one line; `impl`: yours, once it passed (None otherwise)."""
 
     name: str
     chapter: int
@@ -125,16 +128,19 @@ class Gathered:
     impl: object = None
 
 
-def gather_parts(folder: str | Path = FOLDER) -> list[Gathered]:
-    """Import every part of BUILD from `folder` (my_parts/NAME.py, read afresh: edits since the last
-    import count) and check it; one row per part, in course order. A part's module may import an
-    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The modules
-    run in the folder's parent, the notebooks' folder they were written from, so `earlier_part` in
-    them reads the same folder."""
+def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> list[Gathered]:
+    """Check every part of BUILD saved in `folder` (my_parts/NAME.py, read afresh: edits since the
+    last import count); one row per part, in course order. Each part is imported and checked in a
+    fresh process of its own (`part_modules.Zygote`), killed when the import takes over
+    `import_limit_s` or the check over twice `check`'s limit, so no part can hang this call, end it,
+    or change the check of another; a part that passes is then imported here for the engine. A part's module may import an
+    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The
+    modules run in the folder's parent, the notebooks' folder they were written from, so
+    `earlier_part` in them reads the same folder."""
     folder = Path(folder).resolve()
-    _fresh_package(folder)
-    with contextlib.chdir(folder.parent):
-        return [_gather_one(name, chapter, attribute, Path(folder.name))
+    part_modules.fresh_package(folder)
+    with contextlib.chdir(folder.parent), part_modules.gather_verdicts():
+        return [_gather_one(name, chapter, attribute, Path(folder.name), import_limit_s)
                 for name, (chapter, attribute) in BUILD.items()]
 
 
@@ -151,13 +157,13 @@ def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
                      for row in (header, *cells)) + f"\n{summary}"
 
 
-def gather(folder: str | Path = FOLDER) -> dict:
-    """Your parts for the engine: print the table of `gather_parts(folder)` and return {part name:
-    your class or function} for the engine's parts that pass (`kvlearn.serving.config.PART_MODES`);
-    a part left out is the package's own (said)."""
+def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> dict:
+    """Your parts for the engine: print the table of `gather_parts(folder, import_limit_s)` and return
+    {part name: your class or function} for the engine's parts that pass
+    (`kvlearn.serving.config.PART_MODES`); a part left out is the package's own (said)."""
     from kvlearn.serving.config import PART_MODES
 
-    rows = gather_parts(folder)
+    rows = gather_parts(folder, import_limit_s)
     print(parts_table(rows))
     engine = {r.name: r.impl for r in rows if r.verdict == "yours" and r.name in PART_MODES}
     package = [name for name in PART_MODES if name not in engine]
@@ -176,50 +182,43 @@ def parts_for(cache: str, parts: dict) -> dict:
     return {name: impl for name, impl in parts.items() if cache in PART_MODES[name]}
 
 
-def _fresh_package(folder: Path) -> None:
-    """Make `folder` the package named after it, forgetting every module of it imported before."""
-    package = folder.name
-    if not package.isidentifier():
-        raise ValueError(f"{folder}: the parts folder's name must be a Python identifier, such as my_parts.")
-    for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-        del sys.modules[key]
-    spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-    spec.submodule_search_locations = [str(folder.resolve())]
-    sys.modules[package] = importlib.util.module_from_spec(spec)
-
-
-def _import_part(folder: Path, name: str):
-    """Import folder/name.py as the module `<folder name>.<name>`, compiled from its text (never from a
-    cached .pyc, which a cell saved twice within a second could leave stale)."""
+def _gather_one(name: str, chapter: int, attribute: str, folder: Path, import_limit_s: float) -> Gathered:
+    """Check part `name` in a fresh process (`part_modules.Zygote.check`; a verdict of this gather
+    on the same text is reused); if it passed, import the same text here and keep the class or
+    function the module defines, when it is the one that was checked."""
     path = part_path(name, folder)
-    spec = importlib.util.spec_from_file_location(f"{folder.name}.{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    fails = functools.partial(Gathered, name, chapter, "fails check")
+    if not (isinstance(import_limit_s, (int, float)) and 0 < import_limit_s < math.inf):
+        raise ValueError(f"import_limit_s={import_limit_s!r}: give a finite number of seconds > 0.")
     try:
-        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), vars(module))
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return module
-
-
-def _gather_one(name: str, chapter: int, attribute: str, folder: Path) -> Gathered:
-    from kvlearn.parts import check
-
-    path = part_path(name, folder)
-    if not path.is_file():
+        text = part_modules.read_part(path)
+    except FileNotFoundError:
         return Gathered(name, chapter, "missing", f"no {folder.name}/{path.name}: run chapter {chapter}'s "
                                                   f"%%part {name} cell")
+    except ValueError as error:   # not a part's file: say what it is
+        return fails(str(error))
+    except OSError as error:
+        return fails(f"{folder.name}/{path.name} cannot be read ({error.strerror or error})")
     try:
-        module = _import_part(folder, name)
-    except Exception as error:   # a learner's module may fail in any way: say how
-        where = (f" ({Path(error.filename).name}, line {error.lineno})"
-                 if isinstance(error, SyntaxError) and error.filename else "")
-        return Gathered(name, chapter, "fails check", f"importing {path.name} raised {type(error).__name__}: "
-                                                      f"{getattr(error, 'msg', error)}{where}")
+        compile(text, str(path), "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
+        return fails(part_modules.import_failure(path, error))
+    key = (name, attribute, hashlib.sha256(text.encode("utf-8")).hexdigest())
+    with part_modules.gather_verdicts() as verdicts:
+        if key not in verdicts:
+            verdicts[key] = part_modules.Zygote.get().check(name, attribute, folder.resolve(), text,
+                                                            import_limit_s)
+        passed, note, checked = verdicts[key]
+    if not passed:
+        return fails(note)
+    try:   # the fresh process showed the module imports within the limit: import it here for the engine
+        module = part_modules.import_part(folder, name, text)
+    except KeyboardInterrupt:   # the learner's Ctrl-C (the module itself raised none there)
+        raise
+    except BaseException as error:   # a learner's module may fail in any way: say how
+        return fails(part_modules.import_failure(path, error))
     impl = getattr(module, attribute, None)
-    if impl is None:
-        return Gathered(name, chapter, "fails check", f"{path.name} defines no {attribute}")
-    report = check(name, impl)
-    first = report.message.splitlines()[0].removeprefix(NOT_YET).strip()
-    return Gathered(name, chapter, "yours" if report.passed else "fails check", first, impl)
+    problem = part_modules.not_its_own(impl, module, attribute, path)
+    if problem is None and impl.__qualname__ != checked:
+        problem = f"{attribute} in {path.name} is {impl.__qualname__} here, but {checked} where it was checked"
+    return fails(problem) if problem else Gathered(name, chapter, "yours", note, impl)

@@ -269,10 +269,10 @@ class CacheAware(AffinityRule):
 
     def _page_hashes(self, req) -> list[int]:
         if self._hashes[0] is not req:
-            self._hashes = (req, self._chain(req))
+            self._hashes = (req, self.prompt_chain(req))
         return self._hashes[1]
 
-    def _chain(self, req) -> list[int]:
+    def prompt_chain(self, req) -> list[int]:
         """`page_hashes` of the prompt. A generated prompt starts with a part many requests share (a
         tenant's system prompt): its pages are hashed once per router, not once per request."""
         parts, p = getattr(req, "parts", ()), self.page_size
@@ -284,6 +284,11 @@ class CacheAware(AffinityRule):
             head = self._heads[id(parts[0])] = (parts[0], chain, parts[0][len(chain) * p:])
         rest = list(head[2]) + [t for part in parts[1:] for t in part]
         return head[1] + page_hashes(rest, p, head[1][-1] if head[1] else 0)
+
+    @property
+    def num_shared_heads(self) -> int:
+        """How many shared first parts (a tenant's system prompt) `prompt_chain` has hashed, once each."""
+        return len(self._heads)
 
     def matched_tokens(self, req, view):
         hashes = self._page_hashes(req)

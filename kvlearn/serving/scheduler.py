@@ -256,7 +256,8 @@ class SchedulerBase:
         their KV as a preemption would, waiting ones leave the queue; all end "aborted". A failing
         release stops nothing: that request is released again at once without caching anything
         (`num_computed` 0: its KV only goes back, a release can be repeated), the others follow,
-        and only then is the first error raised."""
+        and only then is the error raised: the one error, or a BaseExceptionGroup of all of them
+        in the order they happened (an ExceptionGroup when none is a KeyboardInterrupt or the like)."""
         errors = []
         for req in requests:
             if req.status == RequestStatus.WAITING and req in self.waiting:
@@ -272,8 +273,10 @@ class SchedulerBase:
                         self._leave(req, RequestStatus.ABORTED)
                     except BaseException as again:
                         errors.append(again)
-        if errors:
+        if len(errors) == 1:
             raise errors[0]
+        if errors:
+            raise BaseExceptionGroup(f"aborting {len(requests)} requests: {len(errors)} releases failed", errors)
 
     def _leave(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """A running request gives its KV back and leaves `running`."""
