@@ -7,10 +7,10 @@ import pytest
 
 from kvlearn.routing.cli import main as route
 from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
-                                      RoundRobin, RouterView, make_policy, page_hashes)
-from kvlearn.routing.traces import (TraceError, TraceRequest, multi_tenant_trace, read_trace, tenant_of,
-                                    unique_token_floor, write_trace)
-from kvlearn.serving.workloads import unique_token_floor as floor_of_prompts
+                                      RoundRobin, RouterView, make_policy, router_page_hashes)
+from kvlearn.routing.trace_request import TraceError, TraceRequest
+from kvlearn.routing.traces import multi_tenant_trace, read_trace, tenant_of, unique_token_floor, write_trace
+from kvlearn.serving.prefixes import common_prefix_len, unique_token_floor as floor_of_prompts
 
 
 def req(prompt, rid="r"):
@@ -77,6 +77,15 @@ def test_floor_of_parts_is_the_brute_force_floor():
     resent = sum(min(len(r.answer), r.max_new_tokens - 1) for r in trace)
     assert floor_of_prompts([r.prompt_ids for r in trace]) - resent < unique_token_floor(trace) < \
         floor_of_prompts([r.prompt_ids for r in trace])
+
+
+def test_common_prefix_len_is_the_first_mismatch():
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(tuple(b), tuple(a)) == first
 
 
 def test_floor_counts_a_resent_answer_by_hand(tmp_path):
@@ -253,18 +262,18 @@ def test_prefix_hash_rejects_bad_load_factors():
 
 
 def test_page_hashes_name_whole_prefixes():
-    a, b = page_hashes([1, 2, 3, 4, 5, 6, 7], 2), page_hashes([1, 2, 3, 4, 9, 9], 2)
+    a, b = router_page_hashes([1, 2, 3, 4, 5, 6, 7], 2), router_page_hashes([1, 2, 3, 4, 9, 9], 2)
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
-    assert page_hashes([3, 4, 1, 2], 2)[1] != a[1]   # the same page after a different prefix differs
+    assert router_page_hashes([3, 4, 1, 2], 2)[1] != a[1]   # the same page after a different prefix differs
 
 
 def test_approx_tree_evicts_leaves_first_and_reports_memory():
     tree = ApproxTree(max_pages=4)
-    shared = page_hashes(list(range(6)), 2)            # 3 pages
+    shared = router_page_hashes(list(range(6)), 2)            # 3 pages
     tree.insert(shared)
-    tree.insert(page_hashes(list(range(4)) + [50, 51], 2))   # shares 2 pages, adds 1: 4 pages
+    tree.insert(router_page_hashes(list(range(4)) + [50, 51], 2))   # shares 2 pages, adds 1: 4 pages
     assert len(tree) == 4 and tree.match(shared) == 3
-    tree.insert(page_hashes([9, 9, 8, 8], 2))          # 2 new pages: the 2 oldest leaves go
+    tree.insert(router_page_hashes([9, 9, 8, 8], 2))          # 2 new pages: the 2 oldest leaves go
     assert len(tree) == 4 and tree.evicted_pages == 2
     assert tree.match(shared) == 2                     # the shared trunk stayed, its old leaf went
     assert tree.nbytes > 0
@@ -276,7 +285,7 @@ def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_fi
     p = CacheAware(3, tree_page_size=4, max_tree_pages=12)
     for k in range(300):
         prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
-        hashes = page_hashes(prompt, 4)
+        hashes = router_page_hashes(prompt, 4)
         for tree in p.trees:   # the pages present are a head of the chain: a scan finds the same end
             scan = next((n for n, h in enumerate(hashes) if h not in tree.pages), len(hashes))
             assert tree.match(hashes) == scan
@@ -288,10 +297,10 @@ def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_fi
 def test_cache_aware_hashes_a_shared_first_part_once_with_the_same_chain():
     p = CacheAware(2, tree_page_size=16)
     trace = multi_tenant_trace(300, num_tenants=4, seed=5)
-    assert all(p._chain(r) == page_hashes(r.prompt_ids, 16) for r in trace)
+    assert all(p._chain(r) == router_page_hashes(r.prompt_ids, 16) for r in trace)
     assert len(p._heads) == 4   # one per tenant's system prompt
     odd = TraceRequest("odd", 0.0, ((1, 2, 3), tuple(range(40))), 4)   # a first part shorter than a page
-    assert p._chain(odd) == page_hashes(odd.prompt_ids, 16)
+    assert p._chain(odd) == router_page_hashes(odd.prompt_ids, 16)
 
 
 def test_cache_aware_follows_its_own_decisions():

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvlearn.errors import check_positive_int
 from kvlearn.routing.jsonlines import bad_lines, json_lines, open_lines
-from kvlearn.routing.traces import FIRST_TOKEN_ID, TraceError, TraceRequest
+from kvlearn.routing.trace_request import FIRST_TOKEN_ID, TraceError, TraceRequest
 
 BLOCK_SIZE = 512                # tokens per hash id in the Mooncake release
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")

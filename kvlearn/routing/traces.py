@@ -30,62 +30,17 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from kvlearn.errors import check_positive_int
 from kvlearn.routing.jsonlines import bad_lines, json_lines
+from kvlearn.routing.mooncake import is_mooncake, read_mooncake
+from kvlearn.routing.trace_request import FIRST_TOKEN_ID, VOCAB_SIZE, TraceError, TraceRequest
+from kvlearn.serving.prefixes import unique_token_floor as distinct_prefixes
 
-VOCAB_SIZE = 49152      # SmolLM2's vocabulary: generated token ids are valid for the real model
-FIRST_TOKEN_ID = 3      # generated ids skip SmolLM2's special tokens 0-2 (end of text, <|im_start|>, <|im_end|>)
 FIELDS = {"id", "arrival", "prompt_ids", "prompt", "max_new_tokens", "session"}
-
-
-class TraceError(ValueError):
-    """A trace file has bad lines; the message lists each one with its line number."""
-
-
-@dataclass(eq=False)
-class TraceRequest:
-    """One request of a trace. `parts` joined are the prompt's token ids; `answer` is what the
-    request answered, as far as the trace knows it (the head of its session's next turn), so a
-    simulated replica caches the same tokens a real one did; `line` is its line in the file."""
-
-    id: str
-    arrival: float
-    parts: tuple[tuple[int, ...], ...]
-    max_new_tokens: int
-    session: str | None = None
-    answer: tuple[int, ...] = ()
-    line: int | None = None
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self):
-        self.num_prompt_tokens = sum(map(len, self.parts))
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return list(chain.from_iterable(self.parts))
-
-    @property
-    def where(self) -> str:
-        """How error messages name this request."""
-        return f"request {self.id!r}" + (f" (line {self.line})" if self.line is not None else "")
-
-    def to_json(self) -> dict:
-        row = {"id": self.id, "arrival": round(self.arrival, 6), "prompt_ids": self.prompt_ids,
-               "max_new_tokens": self.max_new_tokens}
-        if self.session is not None:
-            row["session"] = self.session
-        return row
-
-    def __repr__(self) -> str:
-        session = f", session={self.session!r}" if self.session else ""
-        return (f"TraceRequest({self.id!r}, t={self.arrival:.3f}s, {self.num_prompt_tokens} prompt tokens, "
-                f"max_new_tokens={self.max_new_tokens}{session})")
 
 
 # --- reading and writing ---------------------------------------------------------------------------
@@ -136,8 +91,6 @@ def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_er
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No trace file at {path}: give a JSON Lines file (one request per line).")
-    from kvlearn.routing.mooncake import is_mooncake, read_mooncake
-
     if is_mooncake(path):
         return read_mooncake(path, block_size, max_errors).trace_requests()
     rows, errors, seen = [], [], {}
@@ -295,8 +248,6 @@ def unique_token_floor(requests) -> int:
     siblings end their prompts (true of parsed traces, whose prompts are single parts, of generated
     ones, whose parts are random and long, and of Mooncake traces, whose blocks open with their
     own token id)."""
-    from kvlearn.serving.workloads import unique_token_floor as floor_of
-
     root: dict[int, tuple] = {}       # id(part) -> (part, the children of the path ending with it)
     nodes = [root]
     previous: dict[str, TraceRequest] = {}   # session -> its latest turn so far
@@ -313,7 +264,7 @@ def unique_token_floor(requests) -> int:
             if req.session in previous:
                 resent += resent_answer(previous[req.session], req)
             previous[req.session] = req
-    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1 else floor_of([part for part, _ in node.values()])
+    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1 else distinct_prefixes([part for part, _ in node.values()])
                    for node in nodes if node)
     return distinct - resent
 
