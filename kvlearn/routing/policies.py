@@ -229,8 +229,11 @@ class AffinityRule(Policy):
                  balance_rel_threshold: float = 1.5):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}.")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.")
+        for name, value, low in (("balance_abs_threshold", balance_abs_threshold, 0),
+                                 ("balance_rel_threshold", balance_rel_threshold, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= {low}, got {value!r} (a large one: the fleet "
+                                 "never counts as imbalanced).")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.decisions = {"imbalanced": 0, "cache_hit": 0, "low_match": 0}

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlearn.errors import check_positive_int
+from kvlearn.routing.budget import check_generated_memory
 from kvlearn.routing.jsonlines import bad_lines, json_lines
 from kvlearn.routing.mooncake import is_mooncake, read_mooncake
 from kvlearn.routing.trace_request import FIRST_TOKEN_ID, VOCAB_SIZE, TraceError, TraceRequest
@@ -138,9 +139,23 @@ def _derive_answers(requests: list[TraceRequest]) -> None:
         last[req.session] = req
 
 
-def write_trace(requests, path) -> Path:
-    """Write a trace as JSON Lines (the format `read_trace` reads)."""
+def check_trace_path(path) -> Path:
+    """`path` as a Path if a trace may be written there: a regular file or a new name in an
+    existing folder; else ValueError saying what to give."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: give a file path to write the trace to, e.g. {path / 'trace.jsonl'}.")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file: give a file path to write the trace to.")
+    if not path.parent.is_dir():
+        raise ValueError(f"No folder {path.parent} to write the trace in: create it, or give a path in a folder that "
+                         "exists.")
+    return path
+
+
+def write_trace(requests, path) -> Path:
+    """Write a trace as JSON Lines (the format `read_trace` reads) to a file path (`check_trace_path`)."""
+    path = check_trace_path(path)
     with path.open("w", encoding="utf-8") as f:
         for req in requests:
             f.write(json.dumps(req.to_json(), separators=(",", ":")) + "\n")
@@ -189,10 +204,21 @@ def multi_tenant_trace(num_requests: int = 1000, num_tenants: int = 16, zipf_s: 
     """
     check_positive_int("num_requests", num_requests)
     check_positive_int("num_tenants", num_tenants)
+    for name, lengths in (("system_tokens", system_tokens), ("question_tokens", question_tokens),
+                          ("output_tokens", output_tokens)):
+        if not (isinstance(lengths, (tuple, list)) and len(lengths) == 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) for n in lengths) and 1 <= lengths[0] <= lengths[1]):
+            raise ValueError(f"{name} must be a (low, high) pair of ints with 1 <= low <= high, got {lengths!r}.")
     if not 0 <= hot_tenant_share < 1 or not 0 <= fewshot_share <= 1:
         raise ValueError("hot_tenant_share must be in [0, 1) and fewshot_share in [0, 1].")
-    if rate <= 0 or burstiness <= 0 or mean_turns < 1 or think_time_s < 0:
-        raise ValueError("rate and burstiness must be > 0, mean_turns >= 1 and think_time_s >= 0.")
+    for name, value, low, high, what in (   # finite ranges: no draw divides by zero, overflows or loops forever
+            ("rate", rate, 1e-6, 1e9, "requests per second"),
+            ("burstiness", burstiness, 1e-3, 1e3, "coefficient of variation of inter-arrivals; 1: Poisson"),
+            ("mean_turns", mean_turns, 1, 1e3, "turns per session"), ("think_time_s", think_time_s, 0, 1e9, "seconds"),
+            ("zipf_s", zipf_s, 0, 100, "exponent of the tenants' Zipf popularity")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] ({what}), got {value!r}.")
+    check_generated_memory(num_requests, num_tenants, system_tokens, question_tokens, output_tokens)
     rng = random.Random(seed)
     systems = [_tokens(rng, _log_uniform(rng, *system_tokens)) for _ in range(num_tenants)]
     examples = [[_tokens(rng, rng.randint(100, 400)) for _ in range(3)] if rng.random() < fewshot_share else []
