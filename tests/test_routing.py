@@ -1,10 +1,16 @@
 """Chapter 7, model-free units: the trace generator and reader, and each routing policy."""
 
+import gzip
 import json
+import math
 import random
+import re
+import signal
+from contextlib import contextmanager
 
 import pytest
 
+from kvlearn.routing import budget, jsonlines
 from kvlearn.routing.cli import main as route
 from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
                                       RoundRobin, RouterView, make_policy, router_page_hashes)
@@ -172,6 +178,130 @@ def test_generator_rejects_bad_sizes():
         multi_tenant_trace(0)
     with pytest.raises(ValueError, match="hot_tenant_share"):
         multi_tenant_trace(10, hot_tenant_share=1.0)
+
+
+@contextmanager
+def within(seconds: float):
+    """Fail, instead of hanging, when the block runs longer than `seconds`."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("rate", math.nan), ("rate", math.inf), ("rate", 0.0), ("rate", -1.0), ("rate", 1e-300),
+    ("burstiness", math.nan), ("burstiness", math.inf), ("burstiness", 1e-200), ("burstiness", 1e200),
+    ("burstiness", 0.0), ("mean_turns", math.inf), ("mean_turns", math.nan), ("think_time_s", math.inf),
+    ("think_time_s", math.nan), ("zipf_s", math.nan), ("zipf_s", -1.0), ("fewshot_share", math.nan),
+    ("hot_tenant_share", math.inf), ("system_tokens", (0, 10)), ("question_tokens", (9, 3)),
+    ("output_tokens", (1.5, 3)),
+])
+def test_generator_refuses_every_number_it_cannot_draw_from(name, value):
+    # burstiness nan once looped forever in random.gammavariate; 1e-200 and inf divided by zero
+    with within(10), pytest.raises(ValueError, match=name):
+        multi_tenant_trace(20, **{name: value})
+
+
+def test_generator_refuses_a_trace_beyond_memory_before_drawing(monkeypatch):
+    monkeypatch.setattr(budget, "available_bytes", lambda: (50 * 2**20, None))
+    with within(10), pytest.raises(MemoryError, match=r"1,000,000 tenants would take about [\d.,]+ GB"):
+        multi_tenant_trace(10, num_tenants=10**6)
+    assert len(multi_tenant_trace(10, num_tenants=4)) == 10
+
+
+def test_traces_are_written_only_to_a_file_path(tmp_path):
+    trace = multi_tenant_trace(5, num_tenants=2)
+    with pytest.raises(ValueError, match="is a folder: give a file path"):
+        write_trace(trace, tmp_path)
+    with pytest.raises(ValueError, match="No folder"):
+        write_trace(trace, tmp_path / "missing" / "t.jsonl")
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_trace(trace, "/dev/null")
+    assert len(read_trace(write_trace(trace, tmp_path / "t.jsonl"))) == 5
+
+
+# --- reading within bounds ---------------------------------------------------------------------------
+
+LINE = '{{"id": "r{}", "arrival": 0, "prompt_ids": [1, 2], "max_new_tokens": 2}}\n'
+
+
+def good_lines(n: int, start: int = 0) -> str:
+    return "".join(LINE.format(i) for i in range(start, start + n))
+
+
+def refused(path, *, line: int, match: str, seconds: float = 30) -> str:
+    """read_trace's TraceError, checked to name `path:line` with `match` after it."""
+    with within(seconds), pytest.raises(TraceError) as e:
+        read_trace(path)
+    assert re.search(rf"{re.escape(str(path))}:{line}: .*{match}", str(e.value)), str(e.value)
+    return str(e.value)
+
+
+def test_gzip_data_cut_short_or_corrupt_is_named_with_file_and_line(tmp_path):
+    whole = gzip.compress(good_lines(40_000).encode())    # 2.8 MB of text: several buffers
+    cases = {"cut.jsonl.gz": (whole[:len(whole) // 2], "EOFError"), "magic.jsonl.gz": (b"\x1f\x8b", "EOFError"),
+             "crc.jsonl.gz": (whole[:-8] + bytes(4) + whole[-4:], "CRC check failed"),
+             "deflate.jsonl.gz": (whole[:12] + b"\xff" * 8 + whole[20:], "Error -3")}
+    for name, (data, why) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        message = refused(tmp_path / name, line=r"\d+", match=f"cannot read further .*{why}.*reading stopped here")
+        assert message.startswith("1 bad line(s)"), message     # the lines read before it were whole
+    line = int(re.search(r"cut.jsonl.gz:(\d+):", refused(tmp_path / "cut.jsonl.gz", line=r"\d+", match="")).group(1))
+    assert 10_000 < line <= 20_001     # where the data ends, less at most a buffer read ahead
+
+
+def test_json_nested_too_deeply_is_a_bad_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text(good_lines(1) + "[" * 100_000 + "\n" + good_lines(1, 1))
+    refused(path, line=2, match="nested too deeply")
+
+
+def test_an_overlong_line_is_named_and_skipped(tmp_path):
+    path = tmp_path / "long.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(good_lines(1).encode() + b"1" * (jsonlines.MAX_LINE_BYTES + 5) + b"\n" + b"{}\n" + good_lines(1, 1).encode())
+    message = refused(path, line=2, match="longer than 16 MB")
+    assert f"{path}:3: missing field 'id'" in message and "2 bad line(s)" in message   # reading went on after it
+
+
+def test_the_text_limit_stops_reading(tmp_path, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    path.write_text(good_lines(100))                 # about 70 bytes a line
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 1000)
+    refused(path, line=15, match="passes 1,000 bytes here .kvlearn reads at most")
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 10**9)
+    monkeypatch.setattr(budget, "available_bytes", lambda: (32_000, None))   # 2,000 bytes of text, parsed
+    refused(path, line=29, match="passes 2,000 bytes here .parsed, about 16 bytes a byte of text, it would not fit")
+
+
+def test_blank_runs_are_counted_fast_and_a_blank_bomb_is_bounded(tmp_path, monkeypatch):
+    path = tmp_path / "blank.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(good_lines(1).encode() + b"\n" * 30_000_000 + b"{}\n")
+    refused(path, line=30_000_002, match="missing field 'id'", seconds=20)
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 2**20)
+    refused(path, line=r"\d+", match="passes 1,048,576 bytes here", seconds=5)
+
+
+def test_reading_stops_after_a_thousand_bad_lines(tmp_path):
+    path = tmp_path / "junk.jsonl"
+    path.write_text("x\n" * 5000)
+    message = refused(path, line=1001, match="1,000 bad lines before this one: is this a trace. reading stopped here")
+    assert f"{path}:20: not valid JSON" in message and f"{path}:21:" not in message and "... and 980 more" in message
+
+
+def test_a_mooncake_block_size_beyond_any_context_is_refused(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n')
+    with pytest.raises(ValueError, match="block_size must be at most 1,048,576"):
+        read_trace(path, block_size=10**15)
+    assert read_trace(path, block_size=2**20)[0].num_prompt_tokens == 10
 
 
 # --- policies --------------------------------------------------------------------------------------

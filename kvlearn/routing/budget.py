@@ -21,6 +21,11 @@ MAX_TRACE_TEXT_BYTES = 4 * GB     # text of one trace, decompressed: far above a
                                   # conversation trace is 3 MB for 12,031 requests)
 
 
+def size(nbytes: float) -> str:
+    """Bytes for a reader: GB from a tenth of one, MB below."""
+    return f"{nbytes / GB:,.1f} GB" if nbytes >= GB / 10 else f"{nbytes / 2**20:,.1f} MB"
+
+
 def available_bytes() -> tuple[int | None, int | None]:
     """(memory, address space) this process may still take: the machine's MemAvailable, and an
     address-space limit (ulimit -v) less what the process maps already; None where unknown."""
@@ -83,14 +88,13 @@ def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: i
             requests = ""
             if trace is not None:
                 tokens = sum(r.num_prompt_tokens + r.max_new_tokens for r in trace)
-                requests = (f", and its {len(trace):,} requests up to {queued / GB:,.1f} GB more if they all wait at "
-                            f"once ({tokens:,} prompt and output tokens)")
+                requests = (f", and its {len(trace):,} requests take up to {size(queued)} more if they all wait at "
+                            f"once ({tokens:,} prompt and output tokens): {size(tables + queued)} in all")
             raise MemoryError(
-                f"the fleet would take about {(tables + queued) / GB:,.1f} GB {what}: its tables "
-                f"{tables / GB:,.1f} GB ({replicas:,} replicas x {slots:,} slots, each replica's request table "
-                f"{rows} rows x {slots:,} slots = {rows * slots * 8 / 2**20:,.1f} MB){requests}; but "
-                f"{have / GB:,.1f} GB are available: use fewer --replicas, a smaller --slots-per-replica, or a "
-                "shorter trace.")
+                f"the fleet would preallocate about {size(tables)} {what} ({replicas:,} replicas x {slots:,} slots, "
+                f"each replica's request table {rows} rows x {slots:,} slots = {size(rows * slots * 8)}){requests}; "
+                f"but {size(have)} are available: use fewer --replicas, a smaller --slots-per-replica, or a shorter "
+                "trace.")
 
 
 def trace_text_limit() -> tuple[int, str]:
@@ -100,8 +104,8 @@ def trace_text_limit() -> tuple[int, str]:
     if have is None or have // PARSED_BYTES_PER_TEXT_BYTE >= MAX_TRACE_TEXT_BYTES:
         return MAX_TRACE_TEXT_BYTES, f"kvlearn reads at most {MAX_TRACE_TEXT_BYTES / GB:g} GB of trace text"
     return have // PARSED_BYTES_PER_TEXT_BYTE, (
-        f"parsed, about {PARSED_BYTES_PER_TEXT_BYTE} bytes a byte of text, it would not fit in the "
-        f"{have / GB:,.1f} GB of memory available")
+        f"parsed, about {PARSED_BYTES_PER_TEXT_BYTE} bytes a byte of text, it would not fit in the {size(have)} of "
+        "memory available")
 
 
 def log_uniform_mean(low: int, high: int) -> float:
@@ -119,5 +123,5 @@ def check_generated_memory(num_requests: int, num_tenants: int, system_tokens: t
     need, have = tokens * GENERATED_BYTES_PER_TOKEN, fewest_available_bytes()
     if have is not None and need > have:
         raise MemoryError(f"a generated trace of {num_requests:,} requests over {num_tenants:,} tenants would take "
-                          f"about {need / GB:,.1f} GB ({tokens:,.0f} tokens) but {have / GB:,.1f} GB are available: "
-                          "generate fewer requests or tenants.")
+                          f"about {size(need)} ({tokens:,.0f} tokens) but {size(have)} are available: generate fewer "
+                          "requests or tenants.")

@@ -23,6 +23,7 @@ from kvlearn.routing.budget import trace_text_limit
 MAX_LINE_BYTES = 16 * 2**20     # one request's line; a 100,000-token prompt is under 1 MB of JSON
 BUFFER_BYTES = 2**20             # read a file a buffer at a time
 MAX_BAD_LINES = 1000            # errors collected before reading stops (a few are shown: `bad_lines`)
+STOPPED = "reading stopped here"   # how an error that ends the reading ends
 READ_ERRORS = (OSError, EOFError, zlib.error)   # gzip.BadGzipFile is an OSError, a stream cut short an EOFError
 
 
@@ -73,11 +74,11 @@ def raw_lines(path: Path, errors: list[str]):
                     total += len(raw)
                 if total > limit:
                     errors.append(f"{path}:{number}: the trace's text passes {limit:,} bytes here ({why}): split the "
-                                  "trace, or read a part of it; reading stopped here")
+                                  f"trace, or read a part of it; {STOPPED}")
                     return
                 if len(errors) >= MAX_BAD_LINES:
                     errors.append(f"{path}:{number}: {MAX_BAD_LINES:,} bad lines before this one: is this a trace? "
-                                  "reading stopped here")
+                                  f"{STOPPED}")
                     return
                 if overlong:
                     errors.append(f"{path}:{number}: the line is longer than {MAX_LINE_BYTES >> 20} MB, longer than "
@@ -88,7 +89,7 @@ def raw_lines(path: Path, errors: list[str]):
                     yield number, raw
     except READ_ERRORS as e:
         errors.append(f"{path}:{number + 1}: cannot read further ({type(e).__name__}: {str(e) or 'no detail'}): a "
-                      "gzip file cut short or corrupted? reading stopped here")
+                      f"gzip file cut short or corrupted? {STOPPED}")
 
 
 def _skip_blank_lines(f, number: int, total: int, limit: int) -> tuple[int, int]:
@@ -108,6 +109,10 @@ def _skip_blank_lines(f, number: int, total: int, limit: int) -> tuple[int, int]
 
 
 def bad_lines(errors: list[str], max_errors: int, what: str) -> str:
-    """'N bad line(s) in <what>; ...' followed by the first `max_errors` errors, one a line."""
-    shown = errors[:max_errors] + ([f"... and {len(errors) - max_errors} more"] if len(errors) > max_errors else [])
+    """'N bad line(s) in <what>; ...' followed by the first `max_errors` errors, one a line, and
+    the last one too when it says where reading stopped."""
+    shown, hidden = errors[:max_errors], errors[max_errors:]
+    if hidden:
+        last = hidden[-1:] if hidden[-1].endswith(STOPPED) else []
+        shown += [f"... and {len(hidden) - len(last)} more"] + last
     return f"{len(errors)} bad line(s) in {what}:\n  " + "\n  ".join(shown)

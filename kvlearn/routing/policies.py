@@ -60,7 +60,7 @@ class Policy:
     name = "policy"
 
     def choose(self, req, view: RouterView) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define choose(req, view): the replica for req.")
 
     def routed(self, req, replica: int) -> None:
         pass
@@ -240,7 +240,7 @@ class AffinityRule(Policy):
 
     def matched_tokens(self, req, view: RouterView) -> list[int]:
         """Tokens of the prompt each replica holds (or is believed to)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define matched_tokens(req, view): one count a replica.")
 
     def imbalanced(self, view: RouterView) -> bool:
         busiest, idlest = max(view.inflight), min(view.inflight)
