@@ -265,7 +265,7 @@ def test_json_nested_too_deeply_is_a_bad_line(tmp_path):
 def test_an_overlong_line_is_named_and_skipped(tmp_path):
     path = tmp_path / "long.jsonl.gz"
     with gzip.open(path, "wb") as f:
-        f.write(good_lines(1).encode() + b"1" * (jsonlines.MAX_LINE_BYTES + 5) + b"\n" + b"{}\n" + good_lines(1, 1).encode())
+        f.write(good_lines(1).encode() + b"1" * (jsonlines.MAX_LINE_BYTES + 5) + b"\n{}\n" + good_lines(1, 1).encode())
     message = refused(path, line=2, match="longer than 16 MB")
     assert f"{path}:3: missing field 'id'" in message and "2 bad line(s)" in message   # reading went on after it
 

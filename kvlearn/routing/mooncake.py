@@ -3,10 +3,10 @@
 The format (kvcache-ai/Mooncake, `FAST25-release/traces/`; NVIDIA AIPerf's `mooncake_trace`;
 LiteLLM's `prefix_block_hashes` records) is JSON Lines, one request per line:
 `timestamp` (arrival, ms), `input_length` and `output_length` (tokens), `hash_ids` (one id per
-`block_size`-token block of the prompt, 512 unless told; an id names its block *and every block
-before it*, so equal ids mean an equal prefix up to that block). Ids are ints (Mooncake) or
-strings (LiteLLM's 16-hex-character HMAC chains). A file is recognised by its fields
-(`is_mooncake`), gzipped or not (by its magic bytes, not its name); other fields are ignored.
+`block_size`-token block of the prompt, 512 unless told, at most MAX_BLOCK_SIZE; an id names its
+block *and every block before it*, so equal ids mean an equal prefix up to that block). Ids are
+ints (Mooncake) or strings (LiteLLM's 16-hex-character HMAC chains). A file is recognised by its
+fields (`is_mooncake`), gzipped or not (by its magic bytes, not its name); other fields are ignored.
 
 `read_mooncake` checks every line before returning anything and reports all bad lines at once,
 each with its number: not UTF-8, not JSON, a missing or ill-typed field, `len(hash_ids)` other

@@ -290,8 +290,8 @@ def unique_token_floor(requests) -> int:
             if req.session in previous:
                 resent += resent_answer(previous[req.session], req)
             previous[req.session] = req
-    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1 else distinct_prefixes([part for part, _ in node.values()])
-                   for node in nodes if node)
+    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1
+                   else distinct_prefixes([part for part, _ in node.values()]) for node in nodes if node)
     return distinct - resent
 
 
