@@ -119,14 +119,11 @@ def test_route_refuses_queued_requests_beyond_memory_with_the_estimate(traces, c
 
 @pytest.mark.parametrize("command", ["route", "replay"])
 def test_an_error_without_a_message_still_prints_one(traces, capsys, monkeypatch, command):
-    from kvlearn.routing import mooncake
+    from kvlearn.routing import replay, traces as trace_reader
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()   # what Python raises when an allocation fails: no message
-    monkeypatch.setattr(mooncake, "read_mooncake", out_of_memory)
-    if command == "route":
-        from kvlearn.routing import traces as trace_reader
-        monkeypatch.setattr(trace_reader, "read_mooncake", out_of_memory)
+    monkeypatch.setattr(trace_reader if command == "route" else replay, "read_mooncake", out_of_memory)
     assert main([command, "--trace", traces["mooncake"]]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{command}: error: out of memory") and "shorter trace" in err

@@ -1,6 +1,7 @@
 """Traces: the requests that reach a fleet of replicas, when, and with which prompts.
 
-A trace is a list of `TraceRequest`s sorted by arrival time. It comes from one of two places:
+A trace is a list of `TraceRequest`s (`kvlearn.routing.trace_request`) sorted by arrival time.
+It comes from one of two places:
 
 - `read_trace(path)`: the user's JSON Lines file, one request per line with the fields `id`
   (string), `arrival` (seconds, >= 0), `prompt_ids` (token ids) or `prompt` (text, put through the
