@@ -18,7 +18,8 @@ from kvlearn.routing.mooncake import (MooncakeRequest, MooncakeTrace, is_mooncak
                                       read_mooncake)
 from kvlearn.routing.replay import PAPER_CACHE_RATIO, figure9, replay, tail_bound
 from kvlearn.routing.replay import main as replay_cli
-from kvlearn.routing.traces import TraceError, read_trace
+from kvlearn.routing.trace_request import TraceError
+from kvlearn.routing.traces import read_trace
 
 
 def write(path: Path, rows, gz: bool = False) -> Path:

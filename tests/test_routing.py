@@ -1,16 +1,22 @@
 """Chapter 7, model-free units: the trace generator and reader, and each routing policy."""
 
+import gzip
 import json
+import math
 import random
+import re
+import signal
+from contextlib import contextmanager
 
 import pytest
 
+from kvlearn.routing import budget, jsonlines
 from kvlearn.routing.cli import main as route
 from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
-                                      RoundRobin, RouterView, make_policy, page_hashes)
-from kvlearn.routing.traces import (TraceError, TraceRequest, multi_tenant_trace, read_trace, tenant_of,
-                                    unique_token_floor, write_trace)
-from kvlearn.serving.workloads import unique_token_floor as floor_of_prompts
+                                      RoundRobin, RouterView, make_policy, router_page_hashes)
+from kvlearn.routing.trace_request import TraceError, TraceRequest
+from kvlearn.routing.traces import multi_tenant_trace, read_trace, tenant_of, unique_token_floor, write_trace
+from kvlearn.serving.prefixes import common_prefix_len, unique_token_floor as floor_of_prompts
 
 
 def req(prompt, rid="r"):
@@ -77,6 +83,15 @@ def test_floor_of_parts_is_the_brute_force_floor():
     resent = sum(min(len(r.answer), r.max_new_tokens - 1) for r in trace)
     assert floor_of_prompts([r.prompt_ids for r in trace]) - resent < unique_token_floor(trace) < \
         floor_of_prompts([r.prompt_ids for r in trace])
+
+
+def test_common_prefix_len_is_the_first_mismatch():
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(tuple(b), tuple(a)) == first
 
 
 def test_floor_counts_a_resent_answer_by_hand(tmp_path):
@@ -163,6 +178,130 @@ def test_generator_rejects_bad_sizes():
         multi_tenant_trace(0)
     with pytest.raises(ValueError, match="hot_tenant_share"):
         multi_tenant_trace(10, hot_tenant_share=1.0)
+
+
+@contextmanager
+def within(seconds: float):
+    """Fail, instead of hanging, when the block runs longer than `seconds`."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("rate", math.nan), ("rate", math.inf), ("rate", 0.0), ("rate", -1.0), ("rate", 1e-300),
+    ("burstiness", math.nan), ("burstiness", math.inf), ("burstiness", 1e-200), ("burstiness", 1e200),
+    ("burstiness", 0.0), ("mean_turns", math.inf), ("mean_turns", math.nan), ("think_time_s", math.inf),
+    ("think_time_s", math.nan), ("zipf_s", math.nan), ("zipf_s", -1.0), ("fewshot_share", math.nan),
+    ("hot_tenant_share", math.inf), ("system_tokens", (0, 10)), ("question_tokens", (9, 3)),
+    ("output_tokens", (1.5, 3)),
+])
+def test_generator_refuses_every_number_it_cannot_draw_from(name, value):
+    # burstiness nan once looped forever in random.gammavariate; 1e-200 and inf divided by zero
+    with within(10), pytest.raises(ValueError, match=name):
+        multi_tenant_trace(20, **{name: value})
+
+
+def test_generator_refuses_a_trace_beyond_memory_before_drawing(monkeypatch):
+    monkeypatch.setattr(budget, "available_bytes", lambda: (50 * 2**20, None))
+    with within(10), pytest.raises(MemoryError, match=r"1,000,000 tenants would take about [\d.,]+ GB"):
+        multi_tenant_trace(10, num_tenants=10**6)
+    assert len(multi_tenant_trace(10, num_tenants=4)) == 10
+
+
+def test_traces_are_written_only_to_a_file_path(tmp_path):
+    trace = multi_tenant_trace(5, num_tenants=2)
+    with pytest.raises(ValueError, match="is a folder: give a file path"):
+        write_trace(trace, tmp_path)
+    with pytest.raises(ValueError, match="No folder"):
+        write_trace(trace, tmp_path / "missing" / "t.jsonl")
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_trace(trace, "/dev/null")
+    assert len(read_trace(write_trace(trace, tmp_path / "t.jsonl"))) == 5
+
+
+# --- reading within bounds ---------------------------------------------------------------------------
+
+LINE = '{{"id": "r{}", "arrival": 0, "prompt_ids": [1, 2], "max_new_tokens": 2}}\n'
+
+
+def good_lines(n: int, start: int = 0) -> str:
+    return "".join(LINE.format(i) for i in range(start, start + n))
+
+
+def refused(path, *, line: int, match: str, seconds: float = 30) -> str:
+    """read_trace's TraceError, checked to name `path:line` with `match` after it."""
+    with within(seconds), pytest.raises(TraceError) as e:
+        read_trace(path)
+    assert re.search(rf"{re.escape(str(path))}:{line}: .*{match}", str(e.value)), str(e.value)
+    return str(e.value)
+
+
+def test_gzip_data_cut_short_or_corrupt_is_named_with_file_and_line(tmp_path):
+    whole = gzip.compress(good_lines(40_000).encode())    # 2.8 MB of text: several buffers
+    cases = {"cut.jsonl.gz": (whole[:len(whole) // 2], "EOFError"), "magic.jsonl.gz": (b"\x1f\x8b", "EOFError"),
+             "crc.jsonl.gz": (whole[:-8] + bytes(4) + whole[-4:], "CRC check failed"),
+             "deflate.jsonl.gz": (whole[:12] + b"\xff" * 8 + whole[20:], "Error -3")}
+    for name, (data, why) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        message = refused(tmp_path / name, line=r"\d+", match=f"cannot read further .*{why}.*reading stopped here")
+        assert message.startswith("1 bad line(s)"), message     # the lines read before it were whole
+    line = int(re.search(r"cut.jsonl.gz:(\d+):", refused(tmp_path / "cut.jsonl.gz", line=r"\d+", match="")).group(1))
+    assert 10_000 < line <= 20_001     # where the data ends, less at most a buffer read ahead
+
+
+def test_json_nested_too_deeply_is_a_bad_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text(good_lines(1) + "[" * 100_000 + "\n" + good_lines(1, 1))
+    refused(path, line=2, match="nested too deeply")
+
+
+def test_an_overlong_line_is_named_and_skipped(tmp_path):
+    path = tmp_path / "long.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(good_lines(1).encode() + b"1" * (jsonlines.MAX_LINE_BYTES + 5) + b"\n{}\n" + good_lines(1, 1).encode())
+    message = refused(path, line=2, match="longer than 16 MB")
+    assert f"{path}:3: missing field 'id'" in message and "2 bad line(s)" in message   # reading went on after it
+
+
+def test_the_text_limit_stops_reading(tmp_path, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    path.write_text(good_lines(100))                 # about 70 bytes a line
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 1000)
+    refused(path, line=15, match="passes 1,000 bytes here .kvlearn reads at most")
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 10**9)
+    monkeypatch.setattr(budget, "available_bytes", lambda: (32_000, None))   # 2,000 bytes of text, parsed
+    refused(path, line=29, match="passes 2,000 bytes here .parsed, about 16 bytes a byte of text, it would not fit")
+
+
+def test_blank_runs_are_counted_fast_and_a_blank_bomb_is_bounded(tmp_path, monkeypatch):
+    path = tmp_path / "blank.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(good_lines(1).encode() + b"\n" * 30_000_000 + b"{}\n")
+    refused(path, line=30_000_002, match="missing field 'id'", seconds=20)
+    monkeypatch.setattr(budget, "MAX_TRACE_TEXT_BYTES", 2**20)
+    refused(path, line=r"\d+", match="passes 1,048,576 bytes here", seconds=5)
+
+
+def test_reading_stops_after_a_thousand_bad_lines(tmp_path):
+    path = tmp_path / "junk.jsonl"
+    path.write_text("x\n" * 5000)
+    message = refused(path, line=1001, match="1,000 bad lines before this one: is this a trace. reading stopped here")
+    assert f"{path}:20: not valid JSON" in message and f"{path}:21:" not in message and "... and 980 more" in message
+
+
+def test_a_mooncake_block_size_beyond_any_context_is_refused(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n')
+    with pytest.raises(ValueError, match="block_size must be at most 1,048,576"):
+        read_trace(path, block_size=10**15)
+    assert read_trace(path, block_size=2**20)[0].num_prompt_tokens == 10
 
 
 # --- policies --------------------------------------------------------------------------------------
@@ -253,18 +392,18 @@ def test_prefix_hash_rejects_bad_load_factors():
 
 
 def test_page_hashes_name_whole_prefixes():
-    a, b = page_hashes([1, 2, 3, 4, 5, 6, 7], 2), page_hashes([1, 2, 3, 4, 9, 9], 2)
+    a, b = router_page_hashes([1, 2, 3, 4, 5, 6, 7], 2), router_page_hashes([1, 2, 3, 4, 9, 9], 2)
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
-    assert page_hashes([3, 4, 1, 2], 2)[1] != a[1]   # the same page after a different prefix differs
+    assert router_page_hashes([3, 4, 1, 2], 2)[1] != a[1]   # the same page after a different prefix differs
 
 
 def test_approx_tree_evicts_leaves_first_and_reports_memory():
     tree = ApproxTree(max_pages=4)
-    shared = page_hashes(list(range(6)), 2)            # 3 pages
+    shared = router_page_hashes(list(range(6)), 2)            # 3 pages
     tree.insert(shared)
-    tree.insert(page_hashes(list(range(4)) + [50, 51], 2))   # shares 2 pages, adds 1: 4 pages
+    tree.insert(router_page_hashes(list(range(4)) + [50, 51], 2))   # shares 2 pages, adds 1: 4 pages
     assert len(tree) == 4 and tree.match(shared) == 3
-    tree.insert(page_hashes([9, 9, 8, 8], 2))          # 2 new pages: the 2 oldest leaves go
+    tree.insert(router_page_hashes([9, 9, 8, 8], 2))          # 2 new pages: the 2 oldest leaves go
     assert len(tree) == 4 and tree.evicted_pages == 2
     assert tree.match(shared) == 2                     # the shared trunk stayed, its old leaf went
     assert tree.nbytes > 0
@@ -276,7 +415,7 @@ def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_fi
     p = CacheAware(3, tree_page_size=4, max_tree_pages=12)
     for k in range(300):
         prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
-        hashes = page_hashes(prompt, 4)
+        hashes = router_page_hashes(prompt, 4)
         for tree in p.trees:   # the pages present are a head of the chain: a scan finds the same end
             scan = next((n for n, h in enumerate(hashes) if h not in tree.pages), len(hashes))
             assert tree.match(hashes) == scan
@@ -288,10 +427,10 @@ def test_approx_tree_binary_search_matches_like_a_scan_and_the_router_indexes_fi
 def test_cache_aware_hashes_a_shared_first_part_once_with_the_same_chain():
     p = CacheAware(2, tree_page_size=16)
     trace = multi_tenant_trace(300, num_tenants=4, seed=5)
-    assert all(p.prompt_chain(r) == page_hashes(r.prompt_ids, 16) for r in trace)
+    assert all(p.prompt_chain(r) == router_page_hashes(r.prompt_ids, 16) for r in trace)
     assert p.num_shared_heads == 4   # one per tenant's system prompt
     odd = TraceRequest("odd", 0.0, ((1, 2, 3), tuple(range(40))), 4)   # a first part shorter than a page
-    assert p.prompt_chain(odd) == page_hashes(odd.prompt_ids, 16)
+    assert p.prompt_chain(odd) == router_page_hashes(odd.prompt_ids, 16)
 
 
 def test_cache_aware_follows_its_own_decisions():

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from kvlearn.errors import KVCapacityError
 from kvlearn.routing.cli import main as route
-from kvlearn.routing.fleet import SimReplica, run_fleet, simulate_fleet
+from kvlearn.routing.fleet import run_fleet, simulate_fleet
 from kvlearn.routing.policies import POLICIES, make_policy
+from kvlearn.routing.replicas import SimReplica
 from kvlearn.routing.timemodel import TimeModel, default_time_model
-from kvlearn.routing.traces import TraceRequest, multi_tenant_trace, write_trace
+from kvlearn.routing.trace_request import TraceRequest
+from kvlearn.routing.traces import multi_tenant_trace, write_trace
 
 TM = TimeModel(overhead_s=0.01, prefill_s_per_token=2e-4, decode_s_per_seq=2e-3, attention_s_per_context_token=1e-6)
 

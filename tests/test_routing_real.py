@@ -5,8 +5,9 @@ the caches identically, and every generated token equals Hugging Face `generate`
 import pytest
 
 from kvlearn import Engine
-from kvlearn.routing.fleet import EngineReplica, SimReplica, run_fleet
+from kvlearn.routing.fleet import run_fleet
 from kvlearn.routing.policies import make_policy
+from kvlearn.routing.replicas import EngineReplica, SimReplica
 from kvlearn.routing.timemodel import TimeModel
 from kvlearn.routing.traces import multi_tenant_trace
 from tests.hf_reference import hf_greedy

@@ -34,11 +34,11 @@ def page(seed: float, tokens: int = 4) -> torch.Tensor:
 def test_a_page_comes_back_and_damaged_or_foreign_files_are_misses(tmp_path):
     store = DiskStore(tmp_path, "model-a", torch.float32, SHAPE, page_tokens=4)
     tokens = [5, 6, 7, 8]
-    key = store.page_hashes(tokens + [9])[0]  # full pages only
+    key = store.entry_keys(tokens + [9])[0]  # full pages only
     store.put(key, tokens, page(1.0))
     assert torch.equal(store.get(key, tokens), page(1.0))
     assert store.get(key, [5, 6, 7, 0]) is None  # same key, other tokens: never their KV
-    assert store.get(store.page_hashes([1, 2, 3, 4])[0], [1, 2, 3, 4]) is None
+    assert store.get(store.entry_keys([1, 2, 3, 4])[0], [1, 2, 3, 4]) is None
     raw = store.path(key).read_bytes()
     for damaged, reason in ((raw[:-5], "truncated"), (raw[:10], "truncated"),
                             (raw[:-1] + bytes([raw[-1] ^ 1]), "corrupt"), (b"garbage" + raw, "corrupt")):
@@ -364,7 +364,7 @@ def test_the_tree_rewrites_a_page_it_found_bad(tmp_path, damage):
     pool.free(slots)
     compute_and_cache()
     tree.evict(8)
-    kv = disk.get(disk.page_hashes(key)[0], key[:4])
+    kv = disk.get(disk.entry_keys(key)[0], key[:4])
     assert kv is not None and kv[0, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
     tree.check_invariants()
     assert pool.num_free == pool.num_slots

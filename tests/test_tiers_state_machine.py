@@ -155,7 +155,7 @@ class TieredMachine(RuleBasedStateMachine):
         self.present = now
 
     def assert_on_disk(self, prefix):
-        key = self.disk.page_hashes(prefix)[-1]
+        key = self.disk.entry_keys(prefix)[-1]
         if key in self.corrupted or key in self.evicted:  # damaged, or deleted for room (checked at the put)
             return
         kv = self.disk.get(key, prefix[-self.disk.page_tokens:])

@@ -97,7 +97,7 @@ def load_vs_recompute(model, tokenizer, disk_dir, n: int = 256) -> dict:
     from_host = _best_of(lambda: copy_kv(host, host_slots, pool, slots))
     store = DiskStore(disk_dir, model_identity(model), pool.dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim),
                       page_tokens=16)
-    hashes = store.page_hashes(prompt)
+    hashes = store.entry_keys(prompt)
     for i, h in enumerate(hashes):
         store.put(h, prompt[16 * i:16 * (i + 1)], pool.kv.index_select(2, slots[16 * i:16 * (i + 1)]))
 

@@ -219,9 +219,9 @@ def _checker_bug(name: str, label: str, what: str) -> CheckReport:
 
 
 def _changed(head: str, changed: list[str], when: str) -> str:
-    return (f"{head}\nkvlearn's checker was changed {when}: {', '.join(changed)} (put back as kvlearn imported "
-            f"it).\nHint: a part must not replace kvlearn's functions or their members; run the check again "
-            f"(in a fresh kernel if the part did so when it was imported).")
+    return (f"kvlearn's checker was changed {when}: {', '.join(changed)} (put back as kvlearn imported "
+            f"it): a part may not change kvlearn.\n{head}\nHint: a part must not replace kvlearn's functions or "
+            f"their members; run the check again (in a fresh kernel if the part did so when it was imported).")
 
 
 def _raise_in(thread_id: int, error: type[BaseException] | None) -> None:

@@ -17,7 +17,9 @@ the simulated time of the time model (`--time-model`, default: the one committed
 N tokens below every replica's cache (`kvlearn.routing.pooled`: Mooncake Store's idea), with
 `--pool-policy` routing it. `--trace` also takes a bundled Mooncake trace's name (conversation, synthetic).
 Before building the fleet, it estimates the memory the fleet takes (each replica's pool and request
-table) and refuses, saying what to change, a fleet that does not fit in what is available.
+table, and the trace's requests should they all queue at once: `kvlearn.routing.budget`) and
+refuses, saying what to change, a fleet that does not fit in what is available; traces are read
+within bounds (`kvlearn.routing.jsonlines`). Every error is one line `route: error: why`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import sys
 from pathlib import Path
 
 from kvlearn.errors import KVCapacityError, check_int, check_positive_int
-from kvlearn.routing.policies import POLICIES
+from kvlearn.routing.budget import check_fleet_memory
+from kvlearn.routing.policies import POLICIES, make_policy
 
 # (field, header, width, format) of the table's columns; the first is left-aligned
 COLUMNS = (("policy", "policy", 19, ""), ("hit_rate", "hit rate", 9, ".1%"),
@@ -113,71 +116,20 @@ def _policy_options(args, policy: str) -> dict:
     return options
 
 
-REPLICA_OVERHEAD_BYTES = 16_384  # a simulated replica's Python objects (scheduler, KV manager, tree), measured
-
-
-def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int,
-                max_context: int | None = None) -> tuple[int, int]:
-    """What `simulate_fleet` takes: (bytes in all, rows of each replica's request table).
-    Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
-    and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
-    int64 slots, the largest part. The table is allocated empty, so a row costs memory only as far
-    as the requests it holds reach: with `max_context` (the trace's longest request, in tokens)
-    each row counts min(slots, max_context rounded up to pages)."""
-    pages = slots // page_size
-    rows = min(max_running, max(pages, 1))
-    width = slots if max_context is None else min(slots, -(-max_context // page_size) * page_size)
-    return replicas * (rows * width * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
-
-
-def available_bytes() -> tuple[int | None, int | None]:
-    """(memory, address space) this process may still take: the machine's MemAvailable, and an
-    address-space limit (ulimit -v) less what the process maps already; None where unknown."""
-    import resource
-
-    memory = space = None
-    try:
-        with open("/proc/meminfo") as f:
-            memory = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
-    except (OSError, ValueError, IndexError):
-        pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        try:
-            with open("/proc/self/statm") as f:
-                mapped = int(f.read().split()[0]) * resource.getpagesize()
-        except (OSError, ValueError, IndexError):
-            mapped = 0
-        space = max(soft - mapped, 0)
-    return memory, space
-
-
-def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int,
-                       max_context: int | None = None) -> None:
-    """Refuse, before anything is built, a fleet that would not fit in the memory left: the
-    address space takes every request table whole, the memory only as far as `max_context`."""
-    gb = 1024 ** 3
-    virtual, rows = fleet_bytes(replicas, slots, page_size, max_running)
-    resident, _ = fleet_bytes(replicas, slots, page_size, max_running, max_context)
-    memory, space = available_bytes()
-    for need, have, what in ((virtual, space, "of address space"), (resident, memory, "of memory")):
-        if have is not None and need > have:
-            raise MemoryError(f"the fleet would preallocate about {need / gb:,.1f} GB {what} ({replicas:,} replicas x "
-                              f"{slots:,} slots, each replica's request table {rows} rows x {slots:,} slots = "
-                              f"{rows * slots * 8 / 2**20:,.1f} MB) but {have / gb:,.1f} GB are available: use "
-                              "fewer --replicas or a smaller --slots-per-replica.")
-
-
 def _trace(args):
-    from kvlearn.routing.traces import multi_tenant_trace, read_trace, write_trace
+    from kvlearn.routing.traces import check_trace_path, multi_tenant_trace, read_trace, write_trace
 
     if (args.trace is None) == (args.generate is None):
         raise ValueError("Give exactly one of --trace FILE.jsonl and --generate N.")
     if args.trace is not None:
         from kvlearn.routing.mooncake import BUNDLED, mooncake_trace_path
 
+        if args.save_trace:
+            raise ValueError("--save-trace writes a generated trace: use it with --generate N, not --trace.")
         path = mooncake_trace_path(args.trace) if args.trace in BUNDLED and not Path(args.trace).exists() else args.trace
         return read_trace(path, block_size=args.block_size)
+    if args.save_trace:
+        check_trace_path(args.save_trace)   # before generating, not after
     trace = multi_tenant_trace(args.generate, num_tenants=args.tenants, rate=args.rate,
                                hot_tenant_share=args.hot_tenant, burstiness=args.burstiness, seed=args.seed)
     if args.save_trace:
@@ -203,13 +155,15 @@ def _run(args) -> int:
     if not args.speedup > 0 or math.isinf(args.speedup):
         raise ValueError(f"--speedup must be a number > 0, got {args.speedup}.")
     time_model = (TimeModel.load(args.time_model) if args.time_model else default_time_model()).faster(args.speedup)
-    trace = _trace(args)
-    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
-    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
-                       max(r.num_prompt_tokens + r.max_new_tokens for r in trace))
     runs = [(name, 0) for name in (POLICIES if args.policy == "all" else (args.policy,))]
     if args.pool_tokens:
         runs.append((args.pool_policy, args.pool_tokens))
+    for name, _ in runs:   # every policy's options checked before anything runs (on a policy of one replica)
+        make_policy(name, 1, **_policy_options(args, name))
+    trace = _trace(args)
+    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
+                       trace)
     if not args.json:
         print(f"{len(trace):,} requests, {sum(r.num_prompt_tokens for r in trace):,} prompt tokens, "
               f"{args.replicas} replicas x {args.slots_per_replica:,} slots ({args.cache})"
@@ -229,12 +183,26 @@ def _run(args) -> int:
     return 0
 
 
+USER_ERRORS = (ValueError, TypeError, OSError, KVCapacityError, MemoryError)   # what a command reports in a line
+
+
+def error_line(e: BaseException) -> str:
+    """The message a command prints for one of USER_ERRORS: never empty (Python's own MemoryError
+    has no message)."""
+    if str(e):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return ("out of memory reading or simulating the trace: use a shorter trace, fewer --replicas or a smaller "
+                "--slots-per-replica.")
+    return f"{type(e).__name__} without a message: please report it with the command that raised it."
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, TypeError, FileNotFoundError, KVCapacityError, MemoryError) as e:
-        print(f"route: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        print(f"route: error: {error_line(e)}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # torch's allocator, should the estimate have missed: no raw traceback
         if "can't allocate memory" not in str(e):

@@ -1,8 +1,7 @@
 """A fleet: N engine replicas behind a router, simulated in virtual time.
 
-Each replica is chapter 6's scheduler and KV manager, unchanged. `SimReplica` is chapter 6's
-model-free driver (`SimEngine`: a slots-only pool, every request "generates" the answer its trace
-recorded, then a filler token); `EngineReplica` wraps a real `Engine`. The same event loop
+Each replica is chapter 6's scheduler and KV manager, unchanged: a model-free `SimReplica` or an
+`EngineReplica` around a real `Engine` (`kvlearn.routing.replicas`). The same event loop
 (`FleetLoop`) drives both, so the router sees the same fleet and makes the same decisions:
 
 - requests arrive at their trace times; the policy picks a replica from a `RouterView` (requests
@@ -35,83 +34,17 @@ import heapq
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from itertools import chain
 
 from kvlearn.errors import KVCapacityError, check_int, check_positive_int
-from kvlearn.pool import KVPool
 from kvlearn.routing.policies import Policy, RouterView
-from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN, PooledRadixKV, PrefixPool
+from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN, PrefixPool
+# EngineReplica: notebook 07 imports it from here, beside run_fleet
+from kvlearn.routing.replicas import EngineReplica, SimReplica, known_prefix_len  # noqa: F401
 from kvlearn.routing.timemodel import TimeModel, default_time_model
-from kvlearn.routing.traces import TraceRequest, unique_token_floor
-from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size, make_kv_manager
-from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.routing.trace_request import TraceRequest
+from kvlearn.routing.traces import unique_token_floor
+from kvlearn.serving.cache_modes import CACHE_MODES, default_page_size
 from kvlearn.serving.request import Request, RequestStatus
-from kvlearn.serving.simulate import SimEngine
-
-FILLER_TOKEN = 0  # what a simulated request generates past its recorded answer; generated traces never use it
-
-
-class SimReplica(SimEngine):
-    """A replica without the model: chapter 6's `SimEngine` (a real Scheduler and KV manager on a
-    pool of bare slots) for one cache mode. Each request generates the answer its trace recorded."""
-
-    def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
-                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None,
-                 shared: PrefixPool | None = None):
-        page_size = default_page_size(cache) if page_size is None else page_size
-        pool = KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu")
-        # max_running: requests that may run at once (rows of the KV manager's request table);
-        # None keeps the engine's default, which real-engine comparisons need
-        rows = DEFAULT_MAX_REQUESTS if max_running is None else max_running
-        if shared is None:
-            kv = make_kv_manager(cache, pool, rows)
-        elif cache == "radix":   # a pooled fleet: this replica's radix cache over the shared pool
-            kv = PooledRadixKV(pool, shared, rows)
-        else:
-            raise ValueError(f"A shared pool sits below the radix cache mode, not {cache!r}.")
-        super().__init__(kv, FILLER_TOKEN, max_batch_tokens=max_batch_tokens, schedule=schedule)
-        self.page_size = page_size
-
-    def submit(self, rid: int, treq: TraceRequest) -> Request:
-        return self.add(Request(rid, treq.prompt_ids, treq.max_new_tokens, page_size=self.page_size), treq.answer)
-
-    def waiting_prompts(self):
-        """Prompts routed here that are not in the cache yet: waiting, or admitted and still being
-        computed in chunks (a prompt joins the cache after its last chunk)."""
-        sched = self.scheduler
-        return chain((req.token_ids for req in sched.waiting),
-                     (req.token_ids for req in sched.running if req.prefilling))
-
-
-class EngineReplica:
-    """A replica running the real model: a kvlearn Engine (several may share one model object)."""
-
-    def __init__(self, engine):
-        self.engine, self.kv, self.page_size = engine, engine.kv, engine.pool.page_size
-        self.live: list[Request] = []
-
-    def submit(self, rid: int, treq: TraceRequest) -> Request:
-        req = self.engine.add_request(treq.prompt_ids, treq.max_new_tokens)
-        self.live.append(req)
-        return req
-
-    def step(self) -> list[Request]:
-        before = [len(r.token_ids) for r in self.live]
-        self.engine.step()
-        progressed = [r for r, n in zip(self.live, before) if len(r.token_ids) > n]
-        self.live = [r for r in self.live if r.status != RequestStatus.FINISHED]
-        return progressed
-
-    def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
-
-    def waiting_prompts(self):
-        return (req.token_ids for req in self.live
-                if req.status == RequestStatus.WAITING or (req.status == RequestStatus.RUNNING and req.prefilling))
-
-    @property
-    def stats(self) -> dict:
-        return self.engine.stats
 
 
 @dataclass
@@ -163,29 +96,6 @@ def _percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n   # the first mismatch by bisection: list slices compare in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def known_prefix_len(replica, prompt: list[int]) -> int:
-    """What a router fed by KV events knows a replica will have for `prompt` by the time it runs:
-    its real cache (`cached_len`), or the prefix shared with a request routed there whose prompt is
-    not cached yet, waiting or still computing in chunks (Dynamo's router counts its in-flight
-    requests' blocks the same way)."""
-    waiting = (_common_prefix_len(prompt[:-1], other) for other in replica.waiting_prompts())
-    return max(replica.kv.cached_len(prompt), max(waiting, default=0))
 
 
 def check_fits(trace: list[TraceRequest], replica) -> None:

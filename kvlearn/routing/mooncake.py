@@ -3,10 +3,10 @@
 The format (kvcache-ai/Mooncake, `FAST25-release/traces/`; NVIDIA AIPerf's `mooncake_trace`;
 LiteLLM's `prefix_block_hashes` records) is JSON Lines, one request per line:
 `timestamp` (arrival, ms), `input_length` and `output_length` (tokens), `hash_ids` (one id per
-`block_size`-token block of the prompt, 512 unless told; an id names its block *and every block
-before it*, so equal ids mean an equal prefix up to that block). Ids are ints (Mooncake) or
-strings (LiteLLM's 16-hex-character HMAC chains). A file is recognised by its fields
-(`is_mooncake`), gzipped or not (by its magic bytes, not its name); other fields are ignored.
+`block_size`-token block of the prompt, 512 unless told, at most MAX_BLOCK_SIZE; an id names its
+block *and every block before it*, so equal ids mean an equal prefix up to that block). Ids are
+ints (Mooncake) or strings (LiteLLM's 16-hex-character HMAC chains). A file is recognised by its
+fields (`is_mooncake`), gzipped or not (by its magic bytes, not its name); other fields are ignored.
 
 `read_mooncake` checks every line before returning anything and reports all bad lines at once,
 each with its number: not UTF-8, not JSON, a missing or ill-typed field, `len(hash_ids)` other
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlearn.errors import check_positive_int
-from kvlearn.routing.jsonlines import bad_lines, json_lines, open_lines
-from kvlearn.routing.traces import FIRST_TOKEN_ID, TraceError, TraceRequest
+from kvlearn.routing.jsonlines import bad_lines, json_lines, raw_lines
+from kvlearn.routing.trace_request import FIRST_TOKEN_ID, TraceError, TraceRequest
 
 BLOCK_SIZE = 512                # tokens per hash id in the Mooncake release
+MAX_BLOCK_SIZE = 2**20          # tokens per hash id, at most: more than any model's context
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 DATA = Path(__file__).parent / "data" / "mooncake"
 BUNDLED = {"conversation": "conversation_trace.jsonl.gz", "synthetic": "synthetic_trace.jsonl.gz"}
@@ -99,15 +100,14 @@ def mooncake_trace_path(name: str) -> Path:
 
 
 def is_mooncake(path) -> bool:
-    """Whether the first non-empty line of `path` is a JSON object with a `hash_ids` field."""
-    try:
-        with open_lines(Path(path)) as lines:
-            for raw in lines:
-                if raw.strip():
-                    row = json.loads(raw)
-                    return isinstance(row, dict) and "hash_ids" in row
-    except (OSError, EOFError, ValueError):  # unreadable, truncated gzip, not UTF-8 or not JSON
-        return False
+    """Whether the first non-empty line of `path` is a JSON object with a `hash_ids` field (a file
+    that cannot be read or parsed is not: the JSON Lines reader then says why, line by line)."""
+    for _, raw in raw_lines(Path(path), []):
+        try:
+            row = json.loads(raw)
+        except (ValueError, RecursionError):  # not UTF-8 or not JSON, or nested too deeply
+            return False
+        return isinstance(row, dict) and "hash_ids" in row
     return False
 
 
@@ -158,6 +158,9 @@ def read_mooncake(path, block_size: int = BLOCK_SIZE, max_errors: int = 20) -> M
 
     Raises TraceError listing every bad line (up to `max_errors`) before returning anything."""
     check_positive_int("block_size", block_size, " (tokens per hash id)")
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE:,} tokens per hash id (the Mooncake release's "
+                         f"is {BLOCK_SIZE}), got {block_size:,}.")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No trace file at {path}: give a Mooncake JSON Lines file, gzipped or not.")

@@ -60,7 +60,7 @@ class Policy:
     name = "policy"
 
     def choose(self, req, view: RouterView) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define choose(req, view): the replica for req.")
 
     def routed(self, req, replica: int) -> None:
         pass
@@ -148,15 +148,21 @@ class PrefixHash(Policy):
         return view.least_loaded(within)
 
 
-def page_hashes(token_ids: list[int], page_size: int, h: int = 0) -> list[int]:
-    """Chained hashes of the prompt's full pages: hash i stands for the whole prefix up to page i
-    (chapter 2's block hashes), so equal hashes mean equal prefixes. `h`: the hash of the pages
-    before `token_ids`, to continue a chain."""
+def router_page_hashes(token_ids: list[int], page_size: int, h: int = 0) -> list[int]:
+    """The router's names for the prompt's full pages: chained hashes, hash i standing for the
+    whole prefix up to page i (chapter 2's block hashes), so equal hashes mean equal prefixes.
+    Python's `hash` of int tuples: fast and the same in every process (ints are not salted), for
+    a router's in-memory guess; keys that outlive the process (chapter 8's disk tier,
+    `DiskStore.entry_keys`) use chapter 2's xxh64. `h`: the hash of the pages before `token_ids`,
+    to continue a chain."""
     hashes = []
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         h = hash((h, *token_ids[start:start + page_size]))
         hashes.append(h)
     return hashes
+
+
+page_hashes = router_page_hashes   # the name notebook 07's MyCacheAware cell imports
 
 
 class ApproxTree:
@@ -223,15 +229,18 @@ class AffinityRule(Policy):
                  balance_rel_threshold: float = 1.5):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}.")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1.")
+        for name, value, low in (("balance_abs_threshold", balance_abs_threshold, 0),
+                                 ("balance_rel_threshold", balance_rel_threshold, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= {low}, got {value!r} (a large one: the fleet "
+                                 "never counts as imbalanced).")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.decisions = {"imbalanced": 0, "cache_hit": 0, "low_match": 0}
 
     def matched_tokens(self, req, view: RouterView) -> list[int]:
         """Tokens of the prompt each replica holds (or is believed to)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define matched_tokens(req, view): one count a replica.")
 
     def imbalanced(self, view: RouterView) -> bool:
         busiest, idlest = max(view.inflight), min(view.inflight)
@@ -273,17 +282,17 @@ class CacheAware(AffinityRule):
         return self._hashes[1]
 
     def prompt_chain(self, req) -> list[int]:
-        """`page_hashes` of the prompt. A generated prompt starts with a part many requests share (a
+        """`router_page_hashes` of the prompt. A generated prompt starts with a part many requests share (a
         tenant's system prompt): its pages are hashed once per router, not once per request."""
         parts, p = getattr(req, "parts", ()), self.page_size
         if len(parts) < 2:
-            return page_hashes(req.prompt_ids, p)
+            return router_page_hashes(req.prompt_ids, p)
         head = self._heads.get(id(parts[0]))
         if head is None or head[0] is not parts[0]:
-            chain = page_hashes(parts[0], p)
+            chain = router_page_hashes(parts[0], p)
             head = self._heads[id(parts[0])] = (parts[0], chain, parts[0][len(chain) * p:])
         rest = list(head[2]) + [t for part in parts[1:] for t in part]
-        return head[1] + page_hashes(rest, p, head[1][-1] if head[1] else 0)
+        return head[1] + router_page_hashes(rest, p, head[1][-1] if head[1] else 0)
 
     @property
     def num_shared_heads(self) -> int:

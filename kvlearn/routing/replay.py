@@ -41,6 +41,7 @@ import numpy as np
 
 from kvlearn.errors import check_positive_int
 from kvlearn.radix import EVICTION_POLICIES
+from kvlearn.routing.cli import USER_ERRORS, error_line
 from kvlearn.routing.mooncake import BLOCK_SIZE, BUNDLED, MooncakeTrace, mooncake_trace_path, read_mooncake
 from kvlearn.routing.pooled import PrefixPool
 
@@ -219,8 +220,8 @@ def main(argv=None) -> int:
         path = mooncake_trace_path(args.trace) if args.trace in BUNDLED else args.trace
         trace = read_mooncake(path, args.block_size)
         results = hit_rate_curve(trace, args.capacity_tokens or (None,), args.page_size, args.policy)
-    except (ValueError, TypeError, FileNotFoundError) as e:  # TraceError is a ValueError
-        print(f"replay: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:  # TraceError is a ValueError
+        print(f"replay: error: {error_line(e)}", file=sys.stderr)
         return 2
     if args.json:
         for result in results:

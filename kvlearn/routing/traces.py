@@ -1,6 +1,7 @@
 """Traces: the requests that reach a fleet of replicas, when, and with which prompts.
 
-A trace is a list of `TraceRequest`s sorted by arrival time. It comes from one of two places:
+A trace is a list of `TraceRequest`s (`kvlearn.routing.trace_request`) sorted by arrival time.
+It comes from one of two places:
 
 - `read_trace(path)`: the user's JSON Lines file, one request per line with the fields `id`
   (string), `arrival` (seconds, >= 0), `prompt_ids` (token ids) or `prompt` (text, put through the
@@ -30,62 +31,18 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from kvlearn.errors import check_positive_int
+from kvlearn.routing.budget import check_generated_memory
 from kvlearn.routing.jsonlines import bad_lines, json_lines
+from kvlearn.routing.mooncake import is_mooncake, read_mooncake
+from kvlearn.routing.trace_request import FIRST_TOKEN_ID, VOCAB_SIZE, TraceError, TraceRequest
+from kvlearn.serving.prefixes import unique_token_floor as distinct_prefixes
 
-VOCAB_SIZE = 49152      # SmolLM2's vocabulary: generated token ids are valid for the real model
-FIRST_TOKEN_ID = 3      # generated ids skip SmolLM2's special tokens 0-2 (end of text, <|im_start|>, <|im_end|>)
 FIELDS = {"id", "arrival", "prompt_ids", "prompt", "max_new_tokens", "session"}
-
-
-class TraceError(ValueError):
-    """A trace file has bad lines; the message lists each one with its line number."""
-
-
-@dataclass(eq=False)
-class TraceRequest:
-    """One request of a trace. `parts` joined are the prompt's token ids; `answer` is what the
-    request answered, as far as the trace knows it (the head of its session's next turn), so a
-    simulated replica caches the same tokens a real one did; `line` is its line in the file."""
-
-    id: str
-    arrival: float
-    parts: tuple[tuple[int, ...], ...]
-    max_new_tokens: int
-    session: str | None = None
-    answer: tuple[int, ...] = ()
-    line: int | None = None
-    num_prompt_tokens: int = field(init=False)
-
-    def __post_init__(self):
-        self.num_prompt_tokens = sum(map(len, self.parts))
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return list(chain.from_iterable(self.parts))
-
-    @property
-    def where(self) -> str:
-        """How error messages name this request."""
-        return f"request {self.id!r}" + (f" (line {self.line})" if self.line is not None else "")
-
-    def to_json(self) -> dict:
-        row = {"id": self.id, "arrival": round(self.arrival, 6), "prompt_ids": self.prompt_ids,
-               "max_new_tokens": self.max_new_tokens}
-        if self.session is not None:
-            row["session"] = self.session
-        return row
-
-    def __repr__(self) -> str:
-        session = f", session={self.session!r}" if self.session else ""
-        return (f"TraceRequest({self.id!r}, t={self.arrival:.3f}s, {self.num_prompt_tokens} prompt tokens, "
-                f"max_new_tokens={self.max_new_tokens}{session})")
 
 
 # --- reading and writing ---------------------------------------------------------------------------
@@ -136,8 +93,6 @@ def read_trace(path, vocab_size: int | None = VOCAB_SIZE, tokenizer=None, max_er
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"No trace file at {path}: give a JSON Lines file (one request per line).")
-    from kvlearn.routing.mooncake import is_mooncake, read_mooncake
-
     if is_mooncake(path):
         return read_mooncake(path, block_size, max_errors).trace_requests()
     rows, errors, seen = [], [], {}
@@ -185,9 +140,23 @@ def _derive_answers(requests: list[TraceRequest]) -> None:
         last[req.session] = req
 
 
-def write_trace(requests, path) -> Path:
-    """Write a trace as JSON Lines (the format `read_trace` reads)."""
+def check_trace_path(path) -> Path:
+    """`path` as a Path if a trace may be written there: a regular file or a new name in an
+    existing folder; else ValueError saying what to give."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: give a file path to write the trace to, e.g. {path / 'trace.jsonl'}.")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file: give a file path to write the trace to.")
+    if not path.parent.is_dir():
+        raise ValueError(f"No folder {path.parent} to write the trace in: create it, or give a path in a folder that "
+                         "exists.")
+    return path
+
+
+def write_trace(requests, path) -> Path:
+    """Write a trace as JSON Lines (the format `read_trace` reads) to a file path (`check_trace_path`)."""
+    path = check_trace_path(path)
     with path.open("w", encoding="utf-8") as f:
         for req in requests:
             f.write(json.dumps(req.to_json(), separators=(",", ":")) + "\n")
@@ -236,10 +205,21 @@ def multi_tenant_trace(num_requests: int = 1000, num_tenants: int = 16, zipf_s: 
     """
     check_positive_int("num_requests", num_requests)
     check_positive_int("num_tenants", num_tenants)
+    for name, lengths in (("system_tokens", system_tokens), ("question_tokens", question_tokens),
+                          ("output_tokens", output_tokens)):
+        if not (isinstance(lengths, (tuple, list)) and len(lengths) == 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) for n in lengths) and 1 <= lengths[0] <= lengths[1]):
+            raise ValueError(f"{name} must be a (low, high) pair of ints with 1 <= low <= high, got {lengths!r}.")
     if not 0 <= hot_tenant_share < 1 or not 0 <= fewshot_share <= 1:
         raise ValueError("hot_tenant_share must be in [0, 1) and fewshot_share in [0, 1].")
-    if rate <= 0 or burstiness <= 0 or mean_turns < 1 or think_time_s < 0:
-        raise ValueError("rate and burstiness must be > 0, mean_turns >= 1 and think_time_s >= 0.")
+    for name, value, low, high, what in (   # finite ranges: no draw divides by zero, overflows or loops forever
+            ("rate", rate, 1e-6, 1e9, "requests per second"),
+            ("burstiness", burstiness, 1e-3, 1e3, "coefficient of variation of inter-arrivals; 1: Poisson"),
+            ("mean_turns", mean_turns, 1, 1e3, "turns per session"), ("think_time_s", think_time_s, 0, 1e9, "seconds"),
+            ("zipf_s", zipf_s, 0, 100, "exponent of the tenants' Zipf popularity")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] ({what}), got {value!r}.")
+    check_generated_memory(num_requests, num_tenants, system_tokens, question_tokens, output_tokens)
     rng = random.Random(seed)
     systems = [_tokens(rng, _log_uniform(rng, *system_tokens)) for _ in range(num_tenants)]
     examples = [[_tokens(rng, rng.randint(100, 400)) for _ in range(3)] if rng.random() < fewshot_share else []
@@ -295,8 +275,6 @@ def unique_token_floor(requests) -> int:
     siblings end their prompts (true of parsed traces, whose prompts are single parts, of generated
     ones, whose parts are random and long, and of Mooncake traces, whose blocks open with their
     own token id)."""
-    from kvlearn.serving.workloads import unique_token_floor as floor_of
-
     root: dict[int, tuple] = {}       # id(part) -> (part, the children of the path ending with it)
     nodes = [root]
     previous: dict[str, TraceRequest] = {}   # session -> its latest turn so far
@@ -313,8 +291,8 @@ def unique_token_floor(requests) -> int:
             if req.session in previous:
                 resent += resent_answer(previous[req.session], req)
             previous[req.session] = req
-    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1 else floor_of([part for part, _ in node.values()])
-                   for node in nodes if node)
+    distinct = sum(len(next(iter(node.values()))[0]) if len(node) == 1
+                   else distinct_prefixes([part for part, _ in node.values()]) for node in nodes if node)
     return distinct - resent
 
 

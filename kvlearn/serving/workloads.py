@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kvlearn.errors import check_positive_int
 from kvlearn.model import template_ids
+from kvlearn.serving.prefixes import unique_token_floor
 
 
 @dataclass(frozen=True)
@@ -64,30 +65,6 @@ class Workload:
         return (f"Workload({self.name!r}: {self.num_requests} requests, {self.num_prompt_tokens:,} prompt "
                 f"tokens, unique-token floor {self.unique_token_floor:,} "
                 f"({self.shareable_fraction:.0%} shareable))")
-
-
-def unique_token_floor(prompts) -> int:
-    """Number of distinct token prefixes across `prompts` (the node count of their trie): no cache
-    computes fewer prompt tokens, unless a prompt contains tokens an earlier request generated
-    (their KV was computed during decode; the course's workloads fix every prompt, answers
-    included, in advance).
-
-    Sorted order puts the prompt sharing the longest prefix with p right before p, so each prompt
-    adds exactly `len(p) - lcp(p, previous)` new prefixes; duplicates add none.
-    """
-    floor, previous = 0, ()
-    for prompt in sorted({tuple(p) for p in prompts}):
-        floor += len(prompt) - _common_prefix_len(prompt, previous)
-        previous = prompt
-    return floor
-
-
-def _common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _check_count(name: str, value: int, available: int | None = None) -> None:

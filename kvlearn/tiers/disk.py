@@ -128,8 +128,9 @@ class DiskStore:
         return self.entry_bytes([2**63 - 1] * self.page_tokens)
 
     # --- keys -------------------------------------------------------------------------------------
-    def page_hashes(self, tokens) -> list[int]:
-        """Chained hash of every full page of `tokens`: entry i is the key of tokens[:(i+1)*P]."""
+    def entry_keys(self, tokens) -> list[int]:
+        """The key of the entry of every full page of `tokens`: key i is the chained xxh64 hash of
+        tokens[:(i+1)*P] (chapter 2's `hash_block_tokens`), the file's name in any process."""
         hashes, h, p = [], None, self.page_tokens
         for start in range(0, len(tokens) - p + 1, p):
             h = hash_block_tokens(h, list(tokens[start:start + p]))

@@ -140,7 +140,7 @@ class TieredRadixCache(RadixCache):
         start = self.match_len(key)
         if self.disk is None:
             return start
-        p, hashes = self.disk.page_tokens, self.disk.page_hashes(self.as_key(key))
+        p, hashes = self.disk.page_tokens, self.disk.entry_keys(self.as_key(key))
         end = start
         for i in range(start // p, len(hashes)):
             if not self.disk.contains(hashes[i]):
@@ -198,7 +198,7 @@ class TieredRadixCache(RadixCache):
         fault_point("tiers.load_disk")
         if self.disk is None:
             return start
-        p, hashes, end = self.disk.page_tokens, self.disk.page_hashes(key), start
+        p, hashes, end = self.disk.page_tokens, self.disk.entry_keys(key), start
         for i in range(start // p, len(hashes)):
             kv = self.disk.get(hashes[i], key[i * p:(i + 1) * p])
             if kv is None:
@@ -412,7 +412,7 @@ class TieredRadixCache(RadixCache):
         if self.disk is None:
             return [], path, tokens
         p = self.disk.page_tokens
-        hashes = self.disk.page_hashes(tokens)
+        hashes = self.disk.entry_keys(tokens)
         return hashes[(len(tokens) - len(node.key)) // p:], path, tokens
 
     def _gather(self, path: list[TreeNode], start: int, end: int) -> torch.Tensor:
