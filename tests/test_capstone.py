@@ -14,7 +14,6 @@ import nbformat
 import pytest
 
 from kvlearn.exercises import NOT_YET
-from kvlearn.exercises import parts as exercise_parts
 from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_table, save_part
 from tests import test_parts
 
@@ -112,16 +111,6 @@ def test_gather_reads_the_files_afresh(tmp_path, capsys):
     save_part("allocator", "class MyAllocator:\n    pass", other)
     assert gather(other) == {}
     assert sys.modules["my_parts"].__path__ == [str(other.resolve())]
-
-
-def test_every_build_exercise_has_a_conformance_suite():
-    """gather checks every part it finds: BUILD (the chapters' %%part cells) and kvlearn.parts'
-    suites name the same parts, and every engine part is one of them."""
-    from kvlearn.parts.conformance import SUITES
-    from kvlearn.serving.config import PART_MODES
-
-    assert set(exercise_parts.BUILD) == set(SUITES)
-    assert set(PART_MODES) <= set(exercise_parts.BUILD)
 
 
 def test_the_parts_table_as_markdown(tmp_path):

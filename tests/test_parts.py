@@ -420,6 +420,30 @@ def test_an_unknown_part_name_is_the_caller_s_error():
         check("radix", RadixCache)
 
 
+def test_every_list_of_parts_is_read_from_the_registry():
+    """PARTS, SUITES, PART_MODES, BUILD and the table that ends kvlearn.parts' docstring list the
+    registry's parts, in its order, with what its records say."""
+    import kvlearn.parts
+    from kvlearn.exercises.parts import BUILD
+    from kvlearn.parts.conformance import SUITES
+    from kvlearn.serving.config import PART_MODES
+    from kvlearn.serving.part_registry import REGISTRY
+
+    names = [part.name for part in REGISTRY]
+    assert len(set(names)) == len(names) and list(PARTS) == list(SUITES) == list(BUILD) == names
+    assert list(PART_MODES) == names[1:]   # the block table is checked and drawn, never served
+    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in kvlearn.parts.__doc__.splitlines()
+             if line.startswith("| ")][2:]
+    assert [row[0] for row in table] == [f'"{name}"' for name in names]
+    for part, row in zip(REGISTRY, table):
+        suite = SUITES[part.name]
+        assert suite.part is part and suite.module.__name__ == f"kvlearn.parts.suite_{part.name}"
+        assert PARTS[part.name] is suite.reference and BUILD[part.name] == (part.chapter, part.exercise)
+        assert PART_MODES.get(part.name, ()) == part.modes
+        assert row[2:4] == [part.taught, suite.contract.__name__]
+    assert [part.taught for part in REGISTRY[:3]] == ["chapter 1", "chapters 1-2", "chapter 3"]
+
+
 # --- the engine's way in ---------------------------------------------------------------------
 
 def test_engine_config_checks_parts():

@@ -33,19 +33,13 @@ from pathlib import Path
 from kvlearn.exercises import NOT_YET, OK, part_modules
 from kvlearn.exercises.part_modules import FOLDER, IMPORT_LIMIT_S, part_path
 from kvlearn.parts import check as check_impl   # the checker, imported before any part (a part cannot swap it)
+from kvlearn.serving.part_registry import REGISTRY
 from kvlearn.workshop.student import replace_file
 
 _passed: dict[str, object] = {}   # part name -> the impl that last passed check_part
 
 # The build exercises in course order: part name -> (chapter, the name its %%part cell defines).
-BUILD = {
-    "block_table": (1, "MyBlockTable"),
-    "block_manager": (2, "MyBlockManager"),
-    "radix_cache": (3, "MyRadixCache"),
-    "allocator": (4, "MyAllocator"),
-    "attention": (5, "my_paged_attention"),
-    "scheduler": (6, "MyScheduler"),
-}
+BUILD = {part.name: (part.chapter, part.exercise) for part in REGISTRY}
 
 
 def save_part(name: str, source: str, folder: str | Path = FOLDER) -> Path:

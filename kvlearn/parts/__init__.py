@@ -1,23 +1,16 @@
 """Parts: the learner's code inside the engine.
 
-A part is a class (for "attention", a function) with the contract of the package's own, built with the same arguments:
-
-| name            | the package's                            | contract         | base for untaught bookkeeping |
-|-----------------|------------------------------------------|------------------|-------------------------------|
-| "block_table"   | kvlearn.BlockManager, no caching (ch. 1) | BlockTablePart   | BlockManagerBase              |
-| "block_manager" | kvlearn.BlockManager (ch. 1-2)           | BlockManagerPart | BlockManagerBase              |
-| "radix_cache"   | kvlearn.RadixCache (ch. 3)               | RadixCachePart   | RadixCacheBase                |
-| "allocator"     | kvlearn.allocator.PageAllocator (ch. 4)  | AllocatorPart    | AllocatorBase                 |
-| "attention"     | kvlearn.attention.paged_attention (ch. 5)| AttentionPart    | (none: a function)            |
-| "scheduler"     | kvlearn.serving.scheduler.Scheduler (ch. 6) | SchedulerPart | SchedulerBase         |
-
-`Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
+A part is a class (for "attention", a function) with the contract of the package's own, built with
+the same arguments; the table at the end, read from the registry of parts (kvlearn.serving.part_registry),
+lists them. `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
 serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
 conformance suite and returns a `CheckReport` (`.passed`, `.message`). A part never needs to
-inherit from the package's finished class; the bases hold only what the chapter does not teach.
+inherit from the package's finished class; the bases (which the package's parts inherit too) hold only
+what the chapter does not teach.
 "block_table" is checked and drawn (chapter 1) but serves no engine: the engine's block manager is
 "block_manager", which chapter 2 grows from it. Both are built like `kvlearn.BlockManager`, the
 block table with `enable_prefix_caching=False`.
+
 """
 
 from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
@@ -30,6 +23,22 @@ from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 # Each part's name -> the package's own class (for "attention", function) of that name (what a missing
 # part is; "block_table" is BlockManager built with enable_prefix_caching=False).
 PARTS = {name: suite.reference for name, suite in SUITES.items()}
+
+
+def _docs_table() -> str:
+    """The end of this package's docstring: a markdown table of the parts, in the registry's order."""
+    rows = [("name", "the package's", "taught in", "contract", "base for untaught bookkeeping")]
+    for name, suite in SUITES.items():
+        package, bases = suite.reference, getattr(suite.reference, "__bases__", ())
+        rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.part.taught,
+                     suite.contract.__name__, bases[0].__name__ if bases else "(none: a function)"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    rows.insert(1, tuple("-" * width for width in widths))
+    return "\n".join("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows)
+
+
+if __doc__ is not None:   # python -OO drops docstrings
+    __doc__ += _docs_table() + "\n"
 
 __all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
            "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",

@@ -43,22 +43,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from importlib import import_module
 from types import ModuleType
 
-from kvlearn.allocator import PageAllocator
-from kvlearn.attention import paged_attention
-from kvlearn.blocks import BlockManager
 from kvlearn.errors import check_positive_int
-from kvlearn.parts import (references, suite_allocator, suite_attention, suite_block_manager, suite_block_table,
-                           suite_radix_cache, suite_scheduler, trace as trace_module)
-from kvlearn.parts.allocator import AllocatorPart
-from kvlearn.parts.attention import AttentionPart
-from kvlearn.parts.block_manager import BlockManagerPart, BlockTablePart
-from kvlearn.parts.radix_cache import RadixCachePart
-from kvlearn.parts.scheduler import SchedulerPart
+from kvlearn.parts import references, trace as trace_module
 from kvlearn.parts.trace import Broken, Raised, TimeUp, Trace, describe
-from kvlearn.radix import RadixCache
-from kvlearn.serving.scheduler import Scheduler
+from kvlearn.serving.part_registry import REGISTRY, PartRecord
 
 CALL_FACTOR = 100          # a call may take this many times the reference's slowest call (at least time_limit_s)
 TOTAL_FACTOR = 50          # the part's runs: this many times the reference's (at least TOTAL_FLOORS x time_limit_s)
@@ -70,20 +61,23 @@ GRACE_S = 0.5              # how long it waits for a stopped part's thread to en
 
 @dataclass(frozen=True)
 class Suite:
+    """A part's record (kvlearn.serving.part_registry) with what checks it, read from its suite module
+    `kvlearn.parts.suite_NAME`."""
+
+    part: PartRecord
     module: ModuleType   # generate(rng) -> (setup, ops); run(impl, setup, ops, trace); HINTS
-    contract: type       # the Protocol that lists the members the engine and pictures use
-    chapter: str
-    reference: object    # the package's own part: the time yardstick, and the suite's own test
+    contract: type       # the Protocol that lists the members the engine and pictures use (the module's CONTRACT)
+    reference: object    # the package's own part (PACKAGE_PART): the time yardstick, and the suite's own test
+    judge: str           # what judges each call, as the passing report names it (JUDGE, if the module has one)
+
+    @classmethod
+    def of(cls, part: PartRecord) -> Suite:
+        module = import_module(f"kvlearn.parts.suite_{part.name}")
+        return cls(part, module, module.CONTRACT, module.PACKAGE_PART,
+                   getattr(module, "JUDGE", "a brute-force reference"))
 
 
-SUITES = {
-    "block_table": Suite(suite_block_table, BlockTablePart, "chapter 1", BlockManager),
-    "block_manager": Suite(suite_block_manager, BlockManagerPart, "chapters 1-2", BlockManager),
-    "radix_cache": Suite(suite_radix_cache, RadixCachePart, "chapter 3", RadixCache),
-    "allocator": Suite(suite_allocator, AllocatorPart, "chapter 4", PageAllocator),
-    "attention": Suite(suite_attention, AttentionPart, "chapter 5", paged_attention),
-    "scheduler": Suite(suite_scheduler, SchedulerPart, "chapter 6", Scheduler),
-}
+SUITES = {part.name: Suite.of(part) for part in REGISTRY}   # in the registry's order
 
 
 @dataclass(frozen=True)
@@ -140,7 +134,7 @@ def _check(name: str, impl, time_limit_s, programs, seed, restore, changed: list
     check_positive_int("programs", programs, " (random programs to run)")
     suite = SUITES[name]
     label = _label(impl)
-    head = f"{label} does not meet the {name} contract ({suite.chapter}, kvlearn.parts.{suite.contract.__name__})."
+    head = f"{label} does not meet the {name} contract ({suite.part.taught}, kvlearn.parts.{suite.contract.__name__})."
     if changed:
         return CheckReport(name, label, False, _changed(head, changed, "since it was imported"))
     if not callable(impl):
@@ -181,9 +175,8 @@ def _check(name: str, impl, time_limit_s, programs, seed, restore, changed: list
         if outcome[0] != "ok":
             return CheckReport(name, label, False, _failure(head, suite, i, programs, ops, outcome, clock),
                                i + 1, calls, clock.part_calls_s, clock.reference_calls_s)
-    judge = getattr(suite.module, "JUDGE", "a brute-force reference")   # a suite may name its own
-    return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.chapter}): {programs} random "
-                       f"programs, {calls} calls, each judged by {judge}.\nIts calls took "
+    return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.part.taught}): {programs} random "
+                       f"programs, {calls} calls, each judged by {suite.judge}.\nIts calls took "
                        f"{_seconds(clock.part_calls_s)} in all; the package's {_label(suite.reference)}, "
                        f"{_seconds(clock.reference_calls_s)} in the same calls.", programs, calls,
                        clock.part_calls_s, clock.reference_calls_s)
@@ -427,5 +420,4 @@ def _checker(snapshot: _Snapshot):
 
 # The last lines: the snapshot of the checker as imported, this module's `check` included.
 check = _checker(_snapshot := _Snapshot())
-_snapshot.take([sys.modules[__name__], trace_module, references, suite_block_manager, suite_block_table,
-                suite_radix_cache, suite_allocator, suite_attention, suite_scheduler])
+_snapshot.take([sys.modules[__name__], trace_module, references, *(suite.module for suite in SUITES.values())])

@@ -17,10 +17,14 @@ import random
 
 import torch
 
-from kvlearn.attention import AttentionMetadata
+from kvlearn.attention import AttentionMetadata, paged_attention
+from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.references import attention_reference
 from kvlearn.parts.trace import Broken, Trace
 from kvlearn.pool import KVPool
+
+CONTRACT = AttentionPart
+PACKAGE_PART = paged_attention
 
 RTOL, ATOL = 1e-4, 1e-5   # float32 attention against the float64 reference
 

@@ -19,10 +19,15 @@ import random
 from operator import attrgetter
 
 from kvlearn.allocator import PageAllocator
+from kvlearn.blocks import BlockManager
 from kvlearn.errors import KVCapacityError
+from kvlearn.parts.block_manager import BlockManagerPart
 from kvlearn.parts.references import BlockReference
 from kvlearn.parts.trace import Broken, Trace, ints, number, same
 from kvlearn.sequence import Sequence
+
+CONTRACT = BlockManagerPart
+PACKAGE_PART = BlockManager
 
 HINTS = {
     "hit": "allocate walks the sequence's full blocks, chaining each block's hash with the one before it, and "

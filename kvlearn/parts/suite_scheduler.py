@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import random
 
+from kvlearn.parts.scheduler import SchedulerPart
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
 from kvlearn.parts.trace import Broken, Raised, Trace, describe
+
+CONTRACT = SchedulerPart
+PACKAGE_PART = Scheduler
 
 EOS = 4
 JUDGE = "the package's Scheduler on a KV manager of its own"   # what the passing report names

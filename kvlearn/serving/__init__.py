@@ -1,6 +1,7 @@
 """Chapter 6: the serving engine, made of the pieces of chapters 1-5.
 
 config       EngineConfig: every option of the engine, documented and checked once
+part_registry the parts a learner writes (kvlearn.parts), one record each: every list of parts reads it
 kv_manager   the contract every cache mode implements, and the pool bookkeeping they share
 cache_modes  the three cache modes: none, blocks (chapter 2), radix (chapter 3)
 kv_factories the way in for a later chapter's KV manager (chapter 8's tiers register theirs)

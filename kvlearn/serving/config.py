@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, fields
 from kvlearn.errors import check_choice, check_positive_int
 from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
+from kvlearn.serving.part_registry import REGISTRY
 from kvlearn.serving.scheduler import SCHEDULES
 
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
-# The parts a learner may hand the engine (kvlearn.parts), and the cache mode each one serves.
-PART_MODES = {"block_manager": ("blocks",), "radix_cache": ("radix",), "allocator": CACHE_MODES,
-              "attention": CACHE_MODES, "scheduler": CACHE_MODES}
+# The parts a learner may hand the engine (kvlearn.parts), and the cache modes each one serves.
+PART_MODES = {part.name: part.modes for part in REGISTRY if part.modes}
 
 
 @dataclass

@@ -249,7 +249,6 @@ def parts_page(chapters: list[str]) -> str:
     for name, (chapter, attr) in BUILD.items():
         suite = SUITES[name]
         members = ", ".join(f"`{m}`" for m in contract_members(suite.contract))
-        judge = getattr(suite.module, "JUDGE", None)
         lines += ["", f"## Chapter {chapter}: `{name}`", "",
                   f"In [chapter {chapter}](chapters/{_chapter_file(chapter, chapters)}.ipynb), the cell `%%part {name}` defines "
                   f"`{attr}`; it is saved as `{FOLDER}/{name}.py`.", "",
@@ -257,7 +256,7 @@ def parts_page(chapters: list[str]) -> str:
                   f"check_part({name!r}, {attr})", "```", "",
                   f"**The contract**: `kvlearn.parts.{suite.contract.__name__}`, members {members}.", "",
                   _quoted(inspect.getdoc(suite.contract)), "",
-                  "**What `check_part` judges**" + (f" (by {judge})" if judge else "") + ":", "",
+                  f"**What `check_part` judges** (by {suite.judge}):", "",
                   _quoted(inspect.getdoc(suite.module))]
     return "\n".join(lines) + "\n"
 
