@@ -38,8 +38,7 @@ from dataclasses import dataclass, field, replace
 from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.routing.policies import Policy, RouterView
 from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN, PrefixPool
-# EngineReplica: notebook 07 imports it from here, beside run_fleet
-from kvlearn.routing.replicas import EngineReplica, SimReplica, known_prefix_len  # noqa: F401
+from kvlearn.routing.replicas import SimReplica, known_prefix_len
 from kvlearn.routing.timemodel import TimeModel, default_time_model
 from kvlearn.routing.trace_request import TraceRequest
 from kvlearn.routing.traces import unique_token_floor

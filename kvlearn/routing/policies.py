@@ -162,9 +162,6 @@ def router_page_hashes(token_ids: list[int], page_size: int, h: int = 0) -> list
     return hashes
 
 
-page_hashes = router_page_hashes   # the name notebook 07's MyCacheAware cell imports
-
-
 class ApproxTree:
     """The router's guess of one replica's cache: the pages (by chained hash) it sent there, at most
     `max_pages`, least recently used evicted first.
