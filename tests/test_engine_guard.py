@@ -135,7 +135,7 @@ def test_a_match_longer_than_its_key_is_refused(model, tokenizer):
     first = prompt(16, 3)
     engine.generate([first], max_new_tokens=4)
     with pytest.raises(PartError, match=r"\(MatchesOneTokenMore\) broke its contract in match_prefix\(a key of 9 "
-                                        r"tokens\): it returned .*\(10 slots\) for a key of 9 tokens, but a match is "
+                                        r"tokens\): it returned .*\(10 items\) for a key of 9 tokens, but a match is "
                                         r"never longer than its key"):
         engine.generate([first[:10]], max_new_tokens=4)
     assert_whole(engine)

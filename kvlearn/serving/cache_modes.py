@@ -260,81 +260,72 @@ class BlockKV(KVManager):
         return self.manager.evict_cached()
 
 
-class GuardedRadixKV(RadixKV):
-    """`RadixKV` over a learner's tree, behind a `RadixGuard` that checks each of its answers. After
-    a PartError the tree is asked nothing more: a request that leaves gives back the slots of its
-    row the guard does not count as the tree's, and once no request holds KV the guard empties
-    the tree and gives back everything it held (`recover`)."""
+class GuardedKV:
+    """What the guarded modes share (first base of `GuardedRadixKV` and `GuardedBlockKV`): the
+    cache is a learner's part behind `guard` (kvlearn.serving.guard). After a PartError the part is
+    asked nothing more: a request that leaves gives back only what the guard's account says is its
+    own (`drop_request`), and once no request holds KV the guard empties the part (`recover`)."""
+
+    @property
+    def cache(self):
+        return self.guard.part
+
+    def foreign_parts(self) -> list[tuple[str, object]]:
+        return super().foreign_parts() + [(self.guard.name, self.guard.part)]
+
+    def recover(self) -> None:
+        """Mutation: a broken part, with no request holding KV, is emptied (`guard.drop_all`)."""
+        if self.guard.broken and self.rows.num_free == len(self.rows.lengths):
+            self.guard.drop_all()
+
+    def admit(self, req: Request) -> int | None:
+        self.recover()
+        return super().admit(req)
+
+    def release(self, req: Request) -> None:
+        if not self.guard.broken:
+            return super().release(req)
+        self.drop_request(req)
+        self._close_row(req)
+        self.recover()
+
+    def evict_all(self) -> int:
+        self.recover()
+        return super().evict_all()
+
+
+class GuardedRadixKV(GuardedKV, RadixKV):
+    """`RadixKV` over a learner's tree, behind a `RadixGuard` that checks each of its answers."""
 
     def new_tree(self, radix_cache) -> RadixGuard:
         return RadixGuard(radix_cache, self.pool)
 
     @property
-    def cache(self):
-        return self.tree.part
+    def guard(self) -> RadixGuard:
+        return self.tree
 
-    def foreign_parts(self) -> list[tuple[str, object]]:
-        return super().foreign_parts() + [("radix_cache", self.tree.part)]
-
-    def recover(self) -> None:
-        """Mutation: a broken tree with no request holding KV is emptied (`RadixGuard.drop_all`)."""
-        if self.tree.broken and self.rows.num_free == len(self.rows.lengths):
-            self.tree.drop_all()
-
-    def admit(self, req: Request) -> int | None:
-        self.recover()
-        return super().admit(req)
-
-    def release(self, req: Request) -> None:
-        if not self.tree.broken:
-            return super().release(req)
+    def drop_request(self, req: Request) -> None:
+        """The slots of the request's row that the guard does not count as the tree's go back."""
         h = req.kv
         row = self.rows.req_to_token[h.row, :h.num_slots]
         self.pool.free(row[~self.tree.holds(row)])
         h.num_slots = h.prefix_len = 0
-        h.last_node = None
-        self._close_row(req)
-        self.recover()
-
-    def evict_all(self) -> int:
-        self.recover()
-        return super().evict_all()
 
 
-class GuardedBlockKV(BlockKV):
-    """`BlockKV` over a learner's block manager, behind a `BlockManagerGuard`. After a PartError the
-    manager is asked nothing more: a request that leaves only closes its row, and once none holds
-    KV every used page goes back to the pool and a fresh manager of the learner's class serves."""
+class GuardedBlockKV(GuardedKV, BlockKV):
+    """`BlockKV` over a learner's block manager, behind a `BlockManagerGuard`; after a PartError,
+    once no table is live, every used page goes back and a fresh manager of the learner's class serves."""
 
     def new_manager(self, block_manager) -> BlockManagerGuard:
         return BlockManagerGuard(block_manager, self.pool)
 
     @property
-    def cache(self):
-        return self.manager.part
+    def guard(self) -> BlockManagerGuard:
+        return self.manager
 
-    def foreign_parts(self) -> list[tuple[str, object]]:
-        return super().foreign_parts() + [("block_manager", self.manager.part)]
-
-    def recover(self) -> None:
-        """Mutation: a broken manager with no live table is replaced (`BlockManagerGuard.drop_all`)."""
-        if self.manager.broken and self.rows.num_free == len(self.rows.lengths):
-            self.manager.drop_all()
-
-    def admit(self, req: Request) -> int | None:
-        self.recover()
-        return super().admit(req)
-
-    def release(self, req: Request) -> None:
-        if not self.manager.broken:
-            return super().release(req)
+    def drop_request(self, req: Request) -> None:
+        """Its table is forgotten: the pages go back when the manager is replaced."""
         req.block_table, req.num_cached_tokens = [], 0
-        self._close_row(req)
-        self.recover()
-
-    def evict_all(self) -> int:
-        self.recover()
-        return super().evict_all()
 
 
 def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS,

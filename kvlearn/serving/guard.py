@@ -30,15 +30,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _shown(value, limit: int = 16) -> str:
-    """A short picture of a part's answer for an error message."""
+def _shown(value, edge: int = 8) -> str:
+    """A short picture of a part's answer for an error message (a long list: its ends)."""
     if isinstance(value, torch.Tensor):
-        items = value.reshape(-1).tolist() if value.dim() <= 1 else None
-        if items is None or value.is_floating_point():
+        if value.dim() > 1 or value.is_floating_point():
             return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
-        return f"{items[:limit]}{' ...' if len(items) > limit else ''} ({len(items)} slots)"
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
-        return f"{list(value)[:limit]}{' ...' if len(value) > limit else ''} ({len(value)} items)"
+        items = list(value)
+        inner = items if len(items) <= 2 * edge else items[:edge] + ["..."] + items[-edge:]
+        return f"[{', '.join(map(str, inner))}] ({len(items)} items)"
     return f"{type(value).__name__} {value!r}"[:200]
 
 
