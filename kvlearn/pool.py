@@ -55,7 +55,8 @@ class KVPool:
     `allocator_cls` builds the page allocator as `allocator_cls(num_pages, device=...)`: None for
     chapter 4's `PageAllocator`, or a learner's part with its contract (`kvlearn.parts.AllocatorPart`).
     `allocator` is that object; `page_allocator` is what the pool (and a block manager) calls: the
-    package's allocator itself, or a learner's behind an `AllocatorGuard`.
+    package's allocator itself, or a learner's behind an `AllocatorGuard`. A pool larger than the
+    memory left on its device is refused (MemoryError, with an estimate) before anything is allocated.
     With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs `n` to be a multiple
     of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
     consecutive slots starting at a multiple of `page_size`; `free` takes back whole pages only.
