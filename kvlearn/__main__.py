@@ -13,6 +13,7 @@ COMMANDS = {
     "replay": ("kvlearn.routing.replay", "a Mooncake production trace through one prefix cache per capacity: hit rates (chapter 7)"),
     "record": ("kvlearn.workshop.record", "re-execute notebooks in place on a quiet machine, recording the load in their metadata"),
     "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
+    "mutants": ("kvlearn.workshop.mutants", "mutants of the worked solutions against each part's check: is every one killed?"),
 }
 
 USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(

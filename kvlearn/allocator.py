@@ -17,17 +17,37 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.device import resolve_device
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.allocator_base import AllocatorBase
+from kvlearn.errors import KVCapacityError
+
+_FEW_IDS = 256   # frees of at most this many ids are checked in Python: faster than tensor calls
 
 
-class PageAllocator:
-    """Hands out and takes back page ids 0 .. num_pages - 1."""
+def check_free_ids(ids: torch.Tensor, limit: int, unit: str = "page") -> None:
+    """ValueError unless the 1-D int64 `ids` are distinct and each in [0, limit): what a `free`
+    checks before it changes anything (`unit` names them in the message: "page", "slot")."""
+    if ids.numel() == 0:
+        return
+    if ids.numel() <= _FEW_IDS:
+        values = ids.tolist()
+        low, high, repeated = min(values), max(values), len(set(values)) != len(values)
+    else:
+        low, high, repeated = int(ids.min()), int(ids.max()), torch.unique(ids).numel() != ids.numel()
+    if low < 0 or high >= limit:
+        raise ValueError(f"{unit.capitalize()} ids must be in [0, {limit}), got values from {low} to {high}: "
+                         f"free only {unit}s that alloc handed out.")
+    if repeated:
+        raise ValueError(f"Double free: the same {unit} appears more than once in one free() call: "
+                         f"list each {unit} once.")
+
+
+class PageAllocator(AllocatorBase):
+    """Hands out and takes back page ids 0 .. num_pages - 1. From `AllocatorBase`
+    (kvlearn/allocator_base.py, the base a learner's allocator inherits too): the checked size, the
+    device and the repr; this class keeps `num_free` as a counter and `is_free` as flags."""
 
     def __init__(self, num_pages: int, device=None):
-        check_positive_int("num_pages", num_pages)
-        self.device = resolve_device(device)
-        self.num_pages = num_pages
+        super().__init__(num_pages, device)
         # Fresh allocators hand out page 0 first: the stack holds num_pages-1 .. 0, top at the end.
         self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
         self._num_free = num_pages
@@ -60,10 +80,12 @@ class PageAllocator:
 
     def free(self, pages: torch.Tensor) -> None:
         """Give back distinct, allocated pages (a 1-D int64 tensor); `pages[0]` is handed out first
-        next time. ValueError, and nothing freed, on a page that is already free."""
+        next time. ValueError, and nothing freed, on a page listed twice, outside 0 .. num_pages - 1,
+        or already free."""
         if pages.numel() == 0:
             return
         pages = pages.to(self.device)
+        check_free_ids(pages, self.num_pages)
         if self._is_free[pages].any():
             bad = pages[self._is_free[pages]][:5].tolist()
             raise ValueError(f"Double free: page(s) {bad} are already free; each page may be freed once per alloc.")
@@ -71,6 +93,3 @@ class PageAllocator:
         self._stack[top:top + pages.numel()] = pages.flip(0)
         self._num_free = top + pages.numel()
         self._is_free[pages] = True
-
-    def __repr__(self) -> str:
-        return f"PageAllocator(pages={self.num_pages}, free={self._num_free})"

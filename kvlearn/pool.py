@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.allocator import PageAllocator
+from kvlearn.allocator import PageAllocator, check_free_ids
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, PartError, check_int, check_positive_int
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
-
-
-_FEW_SLOTS = 256   # frees of at most this many slots are checked in Python (see KVPool._pages_of)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -207,20 +204,15 @@ class KVPool:
     def _pages_of(self, indices) -> torch.Tensor:
         """Validate slot ids given to `free` and return the distinct pages they cover (sorted)."""
         if (self.page_size == 1 and isinstance(indices, torch.Tensor) and indices.dtype == torch.int64
-                and indices.numel() <= _FEW_SLOTS and indices.device == self.device):
-            # A few slots (the usual free): the same checks in Python are faster than tensor calls.
-            ids = sorted(indices.reshape(-1).tolist())
-            if ids and (ids[0] < 0 or ids[-1] >= self.num_slots):
-                raise ValueError(f"Slot indices must be in [0, {self.num_slots}), got values from "
-                                 f"{ids[0]} to {ids[-1]}.")
-            if len(set(ids)) != len(ids):
-                raise ValueError("Double free: the same slot appears more than once in one free() call.")
-            return torch.tensor(ids, dtype=torch.int64, device=self.device)
-        indices = self._as_slots(indices)
-        pages, counts = torch.unique(indices // self.page_size, return_counts=True)
+                and indices.device == self.device):
+            slots = indices.reshape(-1)   # the usual free: the allocator's own check, in slots, is all it needs
+        else:
+            slots = self._as_slots(indices)
+        if self.page_size == 1:
+            check_free_ids(slots, self.num_slots, "slot")
+            return slots.sort().values
+        pages, counts = torch.unique(slots // self.page_size, return_counts=True)
         if (counts != self.page_size).any():
-            if self.page_size == 1:
-                raise ValueError("Double free: the same slot appears more than once in one free() call.")
             raise ValueError(f"With page_size={self.page_size}, free() takes whole pages: every page touched "
                              f"must have all of its {self.page_size} slots listed, once each.")
         return pages

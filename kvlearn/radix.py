@@ -33,120 +33,15 @@ Extension points, public on purpose (chapter 8's tiered tree is built on them an
 from __future__ import annotations
 
 import heapq
-import itertools
 from operator import attrgetter
 from typing import Callable
 
 import torch
 
-from kvlearn.device import resolve_device
-from kvlearn.errors import check_choice, check_int, check_positive_int
+from kvlearn.errors import check_choice, check_int
+from kvlearn.radix_base import MatchResult, RadixCacheBase, TreeNode
 
-
-class TreeNode:
-    """One edge of the tree and the node below it.
-
-    key: tuple of token ids on the edge; value: 1-D int64 tensor of their slot ids; children:
-    dict from first token (first page tuple when page_size > 1) to child; lock_ref: requests
-    using this node or a node below it; own_locks: those that locked exactly this node; last_access:
-    logical time of the last match or insert that walked through it; hits: how many `match_prefix`
-    calls walked through it (reused its KV). A node removed from the tree has `parent is None`.
-
-    Where the KV lives, for tiers below the device (chapter 8 sets them; this chapter's tree keeps
-    every node's KV in the device pool and leaves them at their defaults): on_device: whether
-    `value` is slots of the device pool (False: the node stays in the tree with its KV only on the
-    host, and `value` is `host_value`; SGLang's `evicted`); host_value: host slots of a copy of the
-    KV (one per token, like `value`), or None (SGLang's `host_value`, `backuped` when set);
-    on_disk: its full disk pages were written or read.
-    """
-
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "own_locks", "last_access", "hits",
-                 "on_device", "host_value", "on_disk")
-
-    def __init__(self, node_id: int, key: tuple, value: torch.Tensor, parent: TreeNode | None,
-                 lock_ref: int = 0, last_access: int = 0, hits: int = 0):
-        self.id = node_id
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict = {}
-        self.lock_ref = lock_ref
-        self.own_locks = 0
-        self.last_access = last_access
-        self.hits = hits
-        self.on_device = True
-        self.host_value: torch.Tensor | None = None
-        self.on_disk = False
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, children={len(self.children)}, "
-                f"lock_ref={self.lock_ref}, last_access={self.last_access})")
-
-
-class MatchResult:
-    """What `RadixCache.match_prefix` found: `indices` (slot ids of the matched tokens, in order),
-    `last_node` (the node where the match ends, exactly: a partial edge match was split), and
-    `len(result)`, the number of matched tokens. Lock `last_node` while the slots are in use."""
-
-    __slots__ = ("indices", "last_node")
-
-    def __init__(self, indices: torch.Tensor, last_node: TreeNode):
-        self.indices = indices
-        self.last_node = last_node
-
-    def __len__(self) -> int:
-        return self.indices.shape[0]
-
-    def __repr__(self) -> str:
-        return f"MatchResult(len={len(self)}, last_node=#{self.last_node.id})"
-
-
-# --- checks of keys and values, and the walk pictures use (shared with kvlearn.parts.RadixCacheBase) ---
-
-def as_token_key(key) -> tuple:
-    """A key (list/tuple of ints or 1-D int tensor) as a tuple of token ids; TypeError or ValueError
-    naming what is wrong."""
-    if isinstance(key, torch.Tensor):
-        if key.dim() != 1 or key.dtype.is_floating_point or key.dtype.is_complex or key.dtype == torch.bool:
-            raise TypeError(f"key tensor must be 1-D with an integer dtype, got shape "
-                            f"{tuple(key.shape)} and dtype {key.dtype}.")
-        key = tuple(key.tolist())
-    elif isinstance(key, (list, tuple)):
-        key = tuple(key)
-        bad = set(map(type, key)) - {int}
-        if bad:
-            raise TypeError(f"key must hold Python ints (token ids), found {sorted(t.__name__ for t in bad)}; "
-                            "convert it first, e.g. with .tolist().")
-    else:
-        raise TypeError(f"key must be a list/tuple of ints or a 1-D int tensor, got {type(key).__name__}.")
-    if key and min(key) < 0:
-        raise ValueError(f"key holds a negative token id ({min(key)}); token ids are >= 0.")
-    return key
-
-
-def as_slot_value(value, n: int, device) -> torch.Tensor:
-    """`value` checked to be a 1-D integer tensor of `n` slot ids, as int64 on `device`."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"value must be a 1-D int64 tensor of slot ids, got {type(value).__name__}.")
-    if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise TypeError(f"value must be a 1-D integer tensor of slot ids, got shape {tuple(value.shape)} "
-                        f"and dtype {value.dtype}.")
-    if value.shape[0] != n:
-        raise ValueError(f"value has {value.shape[0]} slot ids but key has {n} tokens: give one slot per token.")
-    return value.to(device, torch.int64)
-
-
-def subtree_nodes(root: TreeNode) -> list[TreeNode]:
-    """`root` and every node below it, depth first, children in token order (deterministic)."""
-    out, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
-    return out
+__all__ = ["EVICTION_POLICIES", "MatchResult", "RadixCache", "TreeNode"]
 
 
 # Eviction policies: a node's eviction key, smallest evicted first (the heap breaks ties by node id).
@@ -156,7 +51,7 @@ EVICTION_POLICIES: dict[str, Callable[[TreeNode], object]] = {
 }
 
 
-class RadixCache:
+class RadixCache(RadixCacheBase):
     """Longest-prefix cache of token ids -> KV slot ids, with locking and eviction (LRU by default).
 
     page_size: tokens per page; with page_size > 1 only whole pages are matched and inserted.
@@ -179,13 +74,15 @@ class RadixCache:
     its prefill, while it still decodes), `n, m2 = cache.insert_prefix(tokens, slots)` also returns
     the match of the whole inserted key: switch to `m2.indices` and move the lock from
     `m.last_node` to `m2.last_node` (no second walk).
+
+    From `RadixCacheBase` (kvlearn/radix_base.py, the base a learner's tree inherits too): the
+    constructor's checks, the root and node ids, the input checks and keys, `nodes()`, `match_len`
+    and `unlocked_on_path`; this class keeps the sizes as counters and the eviction order in a heap.
     """
 
     def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
                  device: str | torch.device = "cpu", eviction_policy: str | Callable[[TreeNode], object] = "lru"):
-        check_positive_int("page_size", page_size, " (tokens per page)")
-        if evict_callback is not None and not callable(evict_callback):
-            raise TypeError(f"evict_callback must be callable(value_tensor) or None, got {evict_callback!r}.")
+        super().__init__(page_size, evict_callback, device)
         if isinstance(eviction_policy, str):
             self.eviction_policy = check_choice("eviction_policy", eviction_policy, EVICTION_POLICIES)
             self._key = EVICTION_POLICIES[eviction_policy]  # node -> eviction key, smallest evicted first
@@ -194,15 +91,10 @@ class RadixCache:
         else:
             raise TypeError(f"eviction_policy must be a name ({', '.join(EVICTION_POLICIES)}) or a function "
                             f"node -> key, got {type(eviction_policy).__name__}.")
-        self.page_size = page_size
-        self.evict_callback = evict_callback
-        self.device = resolve_device(device)
-        self.reset()
 
     def reset(self) -> None:
         """Drop every node (without calling evict_callback: the caller resets its pool too)."""
-        self._ids = itertools.count()
-        self.root = TreeNode(next(self._ids), (), torch.empty(0, dtype=torch.int64, device=self.device), None)
+        super().reset()
         self._nodes = {self.root.id: self.root}  # id -> node, for membership checks and stale heap entries
         self._heap: list[tuple] = []  # (eviction key, id) of unlocked leaves; may hold stale entries
         self._clock = 0
@@ -231,35 +123,20 @@ class RadixCache:
         return len(self._nodes)
 
     def __repr__(self) -> str:
-        policy = "" if self.eviction_policy == "lru" else f", eviction_policy={self.eviction_policy}"
-        return (f"RadixCache(page_size={self.page_size}, nodes={self.num_nodes}, total={self.total_size}, "
-                f"evictable={self.evictable_size}, protected={self.protected_size}{policy})")
+        text = super().__repr__()
+        return text if self.eviction_policy == "lru" else f"{text[:-1]}, eviction_policy={self.eviction_policy})"
 
     # --- lookups ------------------------------------------------------------------------------
     def match_prefix(self, key) -> MatchResult:
         """Longest cached prefix of `key` (whole pages only). Splits the edge where the match ends
         inside it, so `last_node` ends exactly at the matched length; touches the matched path and
         counts a hit on each of its nodes."""
-        key = self._aligned(self.as_key(key))
+        key = self.aligned(self.as_key(key))
         self._clock += 1
         node, _, values = self._walk(key, hit=1)
         self.requeue(node)
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
         return MatchResult(indices, node)
-
-    def match_len(self, key) -> int:
-        """How many tokens `match_prefix(key)` would match now (whole pages), as a pure query: it
-        splits no edge and ticks no clock, so asking (e.g. to order a queue) changes nothing."""
-        key = self._aligned(self.as_key(key))
-        node, i, n = self.root, 0, len(key)
-        while i < n:
-            child = node.children.get(key[i] if self.page_size == 1 else key[i:i + self.page_size])
-            if child is None:
-                return i
-            if key[i:i + len(child.key)] != child.key:
-                return i + self._common_length(child.key, key, i)
-            node, i = child, i + len(child.key)
-        return i
 
     def insert(self, key, value) -> int:
         """Cache `value[i]` as the slot of `key[i]`; return how many leading tokens were already
@@ -270,16 +147,17 @@ class RadixCache:
 
     def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
         """`insert`, also returning the match of the whole (aligned) key after inserting it: the
-        tree's slots for every token and the node to lock while they are in use."""
+        tree's slots for every token and the node to lock while they are in use. One walk does
+        both here (the base's reads the path back after `insert`; this `insert` is built on it)."""
         key = self.as_key(key)
-        value = self._as_value(value, len(key))
-        key = self._aligned(key)
+        value = self.as_value(value, len(key))
+        key = self.aligned(key)
         self._clock += 1
         node, matched, values = self._walk(key, hit=0)
         if matched < len(key):
-            leaf = TreeNode(next(self._ids), key[matched:], value[matched:len(key)].clone(), node,
-                            last_access=self._clock)
-            node.children[self._child_key(leaf.key)] = leaf
+            leaf = self.new_node(key[matched:], value[matched:len(key)].clone(), node)
+            leaf.last_access = self._clock
+            node.children[self.child_key(leaf.key)] = leaf
             self._nodes[leaf.id] = leaf
             self._evictable += len(leaf.key)
             values.append(leaf.value)
@@ -295,13 +173,13 @@ class RadixCache:
         node, i, n, p = self.root, 0, len(key), self.page_size
         values = []
         while i < n:
-            child = node.children.get(key[i] if p == 1 else key[i:i + p])
+            child = node.children.get(self.child_key(key[i:i + p]))
             if child is None:
                 break
             edge = child.key
             m = len(edge)
             if key[i:i + m] != edge:  # the match ends inside this edge: cut it there
-                child = self._split(child, self._common_length(edge, key, i))
+                child = self._split(child, self.edge_match_len(edge, key, i))
                 m = len(child.key)
             child.last_access = self._clock
             child.hits += hit
@@ -309,29 +187,15 @@ class RadixCache:
             node, i = child, i + m
         return node, i, values
 
-    def _common_length(self, edge: tuple, key: tuple, start: int) -> int:
-        """Length of the common prefix of `edge` and `key[start:]`, in whole pages, knowing the
-        first page matches and the whole edge does not. Binary search on slice equality: each
-        comparison runs in C, so no Python step per token."""
-        p = self.page_size
-        lo, hi = 1, min(len(edge), len(key) - start) // p  # in pages; the answer is in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if key[start:start + mid * p] == edge[:mid * p]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * p
-
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Cut `child`'s edge after k tokens; the new upper node inherits lock_ref, last_access and
         hits, and `child` (the same object, so locks held on it stay right) keeps the rest."""
         parent = child.parent
-        upper = TreeNode(next(self._ids), child.key[:k], child.value[:k], parent,
-                         lock_ref=child.lock_ref, last_access=child.last_access, hits=child.hits)
-        parent.children[self._child_key(child.key)] = upper
+        upper = self.new_node(child.key[:k], child.value[:k], parent)
+        upper.lock_ref, upper.last_access, upper.hits = child.lock_ref, child.last_access, child.hits
+        parent.children[self.child_key(child.key)] = upper
         child.key, child.value, child.parent = child.key[k:], child.value[k:], upper
-        upper.children[self._child_key(child.key)] = child
+        upper.children[self.child_key(child.key)] = child
         self._nodes[upper.id] = upper
         self.on_split(upper, child)
         return upper
@@ -354,14 +218,9 @@ class RadixCache:
             node = node.parent
 
     def unlocked_on_path(self, node: TreeNode) -> int:
-        """Tokens on the path from `node` up to the root that are in unlocked nodes: what
-        `lock(node)` would move from evictable to protected. A pure query."""
+        """The base's query, on a node of this tree only."""
         self._check_node(node)
-        tokens = 0
-        while node is not None and node.lock_ref == 0:  # locks cover whole paths: stop at the first
-            tokens += len(node.key)
-            node = node.parent
-        return tokens
+        return super().unlocked_on_path(node)
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`; nodes whose lock_ref drops to 0 become evictable again."""
@@ -434,7 +293,7 @@ class RadixCache:
         if node.children or node.lock_ref or node is self.root:
             raise ValueError(f"remove_leaf: node #{node.id} is not an unlocked leaf.")
         parent = node.parent
-        del parent.children[self._child_key(node.key)]
+        del parent.children[self.child_key(node.key)]
         del self._nodes[node.id]
         node.parent = None
         self._evictable -= len(node.key)
@@ -452,28 +311,7 @@ class RadixCache:
             self._heap = [(self.eviction_key(n), n.id) for n in self._nodes.values() if self.can_evict(n)]
             heapq.heapify(self._heap)
 
-    # --- input checks -------------------------------------------------------------------------
-    def as_key(self, key) -> tuple:
-        """Query, and a hook: the tuple of token ids `key` stands for (a list or tuple of ints, or a
-        1-D integer tensor), checked: ints >= 0. A subclass whose keys were checked before may
-        skip the check."""
-        return as_token_key(key)
-
-    def _as_value(self, value, n: int) -> torch.Tensor:
-        return as_slot_value(value, n, self.device)
-
-    def _aligned(self, key: tuple) -> tuple:
-        p = self.page_size
-        return key if p == 1 else key[:len(key) // p * p]
-
-    def _child_key(self, key: tuple):
-        return key[0] if self.page_size == 1 else key[:self.page_size]
-
     # --- checks for tests and notebooks -------------------------------------------------------
-    def nodes(self) -> list[TreeNode]:
-        """All nodes, root first, depth first, children in token order (deterministic)."""
-        return subtree_nodes(self.root)
-
     def check_invariants(self) -> None:
         """Recount everything from the tree and assert the module's invariants (O(tree size))."""
         evictable = protected = 0
@@ -483,7 +321,7 @@ class RadixCache:
             if node is not self.root:
                 assert len(node.key) == node.value.shape[0] > 0, f"node #{node.id}: key/value lengths"
                 assert len(node.key) % self.page_size == 0, f"node #{node.id} is not page-aligned"
-                assert node.parent.children[self._child_key(node.key)] is node, f"node #{node.id}: bad parent link"
+                assert node.parent.children[self.child_key(node.key)] is node, f"node #{node.id}: bad parent link"
                 assert node.parent.lock_ref >= node.lock_ref, f"node #{node.id} locked more than its parent"
             assert node.lock_ref == node.own_locks + sum(c.lock_ref for c in node.children.values()), (
                 f"node #{node.id}: lock_ref {node.lock_ref} is not its own locks plus its children's")

@@ -28,3 +28,19 @@ def model(model_and_tokenizer):
 @pytest.fixture(scope="session")
 def tokenizer(model_and_tokenizer):
     return model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory):
+    """The course's static site (kvlearn.workshop.site), built once per session from this clone into a
+    temporary folder, strictly (a Sphinx warning fails it); skips, saying what to install, when Sphinx
+    or MyST-NB is missing."""
+    from pathlib import Path
+
+    from kvlearn.workshop.site import build
+
+    work = tmp_path_factory.mktemp("site")
+    try:
+        return build(Path(__file__).resolve().parents[1], work / "site", work / "build", strict=True).parent
+    except ImportError as missing:
+        pytest.skip(f"site tests skipped: {missing}")

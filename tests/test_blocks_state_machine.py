@@ -2,7 +2,7 @@
 
 The reference (`kvlearn.parts.references.BlockReference`, the one `kvlearn.parts.check` judges
 learners' managers by) knows nothing about hashes. It keeps the allocator's free pages and the
-cached blocks nobody uses (with when each was freed), and for every published block the whole
+cached blocks nobody uses (each in the order they are handed out, and when each was freed), and for every published block the whole
 token prefix (a tuple) whose KV that block completes. A new sequence's cached prefix is then "the
 longest run of its full-block prefixes that some published block holds", capped so the last token
 is always computed. On top of the reference, this test holds the package's manager to its exact
@@ -80,7 +80,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.m.allocate(s)
         assert s.block_table[:len(hit)] == hit
         new = s.block_table[len(hit):]
-        self.check_new_blocks(new, self.ref.allocate(s.seq_id, hit, new))
+        self.check_new_blocks(new, self.ref.allocate(s.seq_id, hit, new, s.num_tokens))
         assert s.num_cached_tokens == len(hit) * self.bs
         self.hit_tokens += s.num_cached_tokens
         self.live.append([s, s.num_cached_tokens])
@@ -127,16 +127,17 @@ class BlockMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         refs, ref = self.ref.refs(), self.ref
-        ids, n = self.m.free_block_ids, self.m.allocator.num_free
-        assert set(ids[:n]) == ref.free and set(ids[n:]) == set(ref.cached)
-        assert [ref.cached[b] for b in ids[n:]] == sorted(ref.cached.values())  # least recently freed first
+        # the allocator's free pages, then the cached blocks least recently freed first, in the reference's order
+        assert self.m.free_block_ids == ref.free + list(ref.cached)
         assert self.m.num_cached_free_blocks == len(ref.cached)
         assert all(b.ref_count == refs[b.block_id] >= 0 for b in self.m.blocks)
         in_use = sum(b.ref_count > 0 for b in self.m.blocks)
         assert self.m.num_free_blocks + in_use == self.m.num_blocks
-        assert not (ref.free | set(ref.cached)) & set(refs)
+        assert not (set(ref.free) | set(ref.cached)) & set(refs)
         assert all(self.m.blocks[b].hash is None for b in ref.free)  # a free page caches nothing
         assert self.m.stats.evicted_blocks == ref.evicted_blocks
+        stats = self.m.stats
+        assert (stats.queries, stats.query_tokens, stats.hit_blocks, stats.hit_tokens) == ref.counters
 
     @invariant()
     def only_full_computed_blocks_are_published(self):

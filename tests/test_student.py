@@ -1,5 +1,6 @@
-"""Student copies: every solution is gone, the rest is the instructor's notebook byte for byte, and
-every checker answers a stub with "Not yet" instead of crashing."""
+"""Student copies: every solution is gone, and so is every output a solution produced (verdicts,
+cells that read a part's results); the rest is the instructor's notebook byte for byte, and every
+checker answers a stub with "Not yet" instead of crashing."""
 
 import copy
 import json
@@ -10,10 +11,31 @@ import nbformat
 import pytest
 
 from kvlearn.exercises import NOT_YET, OK, ch00, ch01, ch02, ch03, ch04, ch05, ch06
-from kvlearn.workshop.student import BEGIN, END, student_copy, write_student_copies
+from kvlearn.workshop.student import BEGIN, END, solved_cells, student_copy, write_student_copies
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+CHAPTERS = sorted(p.name[:2] for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 CHECKERS = {f"{i:02d}": module for i, module in enumerate((ch00, ch01, ch02, ch03, ch04, ch05, ch06))}
+VERDICTS = ("OK, well done", "meets the", "parts pass", "yours", "passed")
+# Written by hand, apart from the rule in kvlearn.workshop.student: per chapter, the names that hold
+# a learner's part or what the chapter computed with it. A code cell that mentions one of them, calls
+# the parts kit, is a %%part cell or holds a solution shows a solution's work in the instructor copy.
+SOLVED_NAMES = {
+    "01": ["MyBlockTable", "Table", "mine"],
+    "02": ["MyBlockManager", "Manager", "mine"],
+    "03": ["MyRadixCache", "story", "yours"],
+    "04": ["MyAllocator", "serve"],
+    "05": ["my_paged_attention", "served"],
+    "06": ["MyScheduler", "mine", "my_reports"],
+    "09": ["parts", "radix", "blocks", "yours_radix", "yours_blocks"],
+}
+KIT_CALL = re.compile(r"\b(check_part|use|earlier_part|gather|gather_parts)\(|\A%%part ")
+
+
+def shows_solved_work(chapter: str, source: str) -> bool:
+    names = SOLVED_NAMES.get(chapter)
+    return bool(BEGIN in source or KIT_CALL.search(source)
+                or names and re.search(rf"(?<![\w.])({'|'.join(names)})\b", source))
 
 
 def solution_lines(source: str) -> list[str]:
@@ -24,10 +46,13 @@ def solution_lines(source: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
-    """chapter -> (instructor notebook, its student copy as write_student_copies wrote it)."""
+    """chapter -> (instructor notebook, its student copy as write_student_copies wrote it); the
+    instructor notebooks' files are the same bytes after the copies were written."""
     dest = tmp_path_factory.mktemp("student")
+    before = {p.name: p.read_bytes() for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
     paths = write_student_copies(NOTEBOOKS, dest)
-    assert [p.name for p in paths] == [p.name for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))]
+    assert [p.name for p in paths] == sorted(before)
+    assert {p.name: p.read_bytes() for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")} == before
     return {p.name[:2]: (nbformat.read(NOTEBOOKS / p.name, as_version=4), nbformat.read(p, as_version=4))
             for p in paths}
 
@@ -40,17 +65,11 @@ def shown_lines(cell) -> set[str]:
 
 
 @pytest.mark.parametrize("chapter", sorted(CHECKERS))
-def test_solutions_are_stubbed_and_the_rest_is_unchanged(copies, chapter):
+def test_solutions_are_stubbed(copies, chapter):
     teacher, student = copies[chapter]
-    assert len(student.cells) == len(teacher.cells) and student.metadata == teacher.metadata
     secrets = set()
-    for t, s in zip(teacher.cells, student.cells):
-        lines = solution_lines(t.source) if t.cell_type == "code" else []
-        secrets.update(lines)
-        if lines:
-            assert s.outputs == [] and s.execution_count is None
-        else:
-            assert json.dumps(s, sort_keys=True) == json.dumps(t, sort_keys=True)
+    for t in teacher.cells:
+        secrets.update(solution_lines(t.source) if t.cell_type == "code" else [])
     assert secrets, f"chapter {chapter} has no solution block"
     everything = json.dumps(student.cells)
     assert "BEGIN SOLUTION" not in everything and "END SOLUTION" not in everything
@@ -61,6 +80,73 @@ def test_solutions_are_stubbed_and_the_rest_is_unchanged(copies, chapter):
     assert teacher == before, "student_copy changed the instructor notebook"
 
 
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_copy_shows_nothing_solved_and_the_rest_is_unchanged(copies, chapter):
+    """No verdict anywhere in the copy; every cell that shows a solution's work (by SOLVED_NAMES,
+    not by the module's rule) has no output; every other cell is the instructor's, byte for byte."""
+    teacher, student = copies[chapter]
+    assert len(student.cells) == len(teacher.cells) and student.metadata == teacher.metadata
+    shown = json.dumps([c.get("outputs", []) for c in teacher.cells])
+    assert OK in shown or "parts pass" in shown, "the instructor copy shows its verdicts"
+    cleared = []
+    for number, (t, s) in enumerate(zip(teacher.cells, student.cells), 1):
+        if t.cell_type == "code" and shows_solved_work(chapter, t.source):
+            assert s.outputs == [] and s.execution_count is None, f"cell {number} shows solved work"
+            cleared.append(number)
+        else:
+            assert json.dumps(s, sort_keys=True) == json.dumps(t, sort_keys=True), f"cell {number} changed"
+    assert cleared == solved_cells(teacher)
+    outputs = json.dumps([c.get("outputs", []) for c in student.cells])
+    assert not [v for v in VERDICTS if v in outputs]
+    if chapter in SOLVED_NAMES:   # a cell after the stub that reads what it computed
+        assert len(cleared) > sum(BEGIN in c.source or c.source.startswith("%%part") for c in teacher.cells)
+
+
+def test_the_rule_follows_names_through_cells():
+    sources = [
+        "import torch\nx, rows = 1, [1, 2]",                            # 1 clean
+        "def total():\n    return sum(mine)",                           # 2 clean: mine is not solved yet
+        "%%part radix_cache\nimport torch\n\nclass MyRadixCache:\n    pass",  # 3 a build exercise
+        "mine = MyRadixCache()\nr = s = t = e = mine",                  # 4 reads the part
+        "print(torch.ones(1), x)",                                      # 5 a solved cell's imports do not count
+        "for r in rows:\n    print(r)\n[s for s in rows]",              # 6 solved names bound anew, then read
+        "print(total())",                                               # 7 total reads mine when called
+        "n = 0\nn += len(mine)",                                        # 8 reads mine
+        "print(n)",                                                     # 9 reads what 8 computed
+        "n = 5\nprint(n)",                                              # 10 bound again, by an unsolved cell
+        "print(n)",                                                     # 11 clean again
+        "from kvlearn.exercises.parts import use\nA = use('x', x)",     # 12 a call of the parts kit
+        "f = lambda: A\nprint(f())",                                    # 13 a lambda reads A
+        "%load_ext kvlearn.exercises.parts\nprint(x)",                  # 14 a magic line is left out
+        "for item in t:\n    pass",                                     # 15 a loop over a solved name
+        "t = str(t)",                                                   # 16 the value is read before t is bound
+        "def g(t=t):\n    return 1",                                    # 17 a default is read when defined
+        "def h(t):\n    return t\nprint(h(2))",                         # 18 a parameter is not the solved t
+        "t += '!'",                                                     # 19 reads t
+        "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    print(e)",  # 20 e bound anew
+        "k = lambda t: t\nprint(k(1))",                                 # 21 a parameter again
+        "{s: s for s in rows}",                                         # 22 s is the comprehension's
+        "import math as t\nprint(t.pi)",                                # 23 an import binds t anew
+        "from math import pi as s\nprint(s, t)",                        # 24 and s
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("uses MyRadixCache")]
+                                  + [nbformat.v4.new_code_cell(s) for s in sources])
+    for number, cell in enumerate(nb.cells[1:], 1):
+        cell.outputs, cell.execution_count = [nbformat.v4.new_output("stream", text=f"{number}\n")], number
+    solved = [n - 1 for n in solved_cells(nb)]
+    assert solved == [3, 4, 7, 8, 9, 12, 13, 15, 16, 17, 19]
+    copied = student_copy(nb)
+    for number, (t, s) in enumerate(zip(nb.cells[1:], copied.cells[1:]), 1):
+        assert (s.outputs, s.execution_count) == (([], None) if number in solved else (t.outputs, number))
+    assert copied.cells[0] == nb.cells[0]
+
+
+def test_a_code_cell_that_is_not_python_is_named():
+    with pytest.raises(ValueError, match="cell 2: not Python"):
+        student_copy(_notebook("x = 0", "print(x"))
+
+
+@pytest.mark.parametrize("chapter", sorted(CHECKERS))
 def without_part_magic(source: str) -> str:
     """A build exercise's cell as the Python it runs: without its first line, `%%part NAME`."""
     return re.sub(r"\A%%part \w+\n", "", source)
@@ -239,8 +325,9 @@ class MyAllocator(AllocatorBase):
     def free(self, pages):
         {BEGIN}
         pages = pages.tolist()
-        if len(set(pages)) != len(pages) or set(pages) & set(self.stack):
-            raise ValueError("double free")
+        if len(set(pages)) != len(pages) or set(pages) & set(self.stack) or not all(0 <= p < self.num_pages
+                                                                                  for p in pages):
+            raise ValueError("double free, or no such page")
         self.stack.extend(pages[::-1])
         {END}'''
 

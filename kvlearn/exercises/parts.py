@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK
+from kvlearn.parts import check as check_impl   # the checker, imported before any part (a part cannot swap it)
 from kvlearn.workshop.student import replace_file
 
 FOLDER = "my_parts"
@@ -75,10 +76,9 @@ def load_ipython_extension(ipython) -> None:
 
 
 def check_part(name: str, impl, **options) -> bool:
-    """Run the conformance suite of part `name` on `impl`, print the verdict and the report; return it."""
-    from kvlearn.parts import check
-
-    result = check(name, impl, **options)
+    """Run the conformance suite of part `name` on `impl`, print the verdict and the report; return it.
+    `options` go to `kvlearn.parts.check` (time_limit_s, programs, seed), which refuses bad ones."""
+    result = check_impl(name, impl, **options)
     if result.passed:
         _passed[name] = impl
         print(f"{OK} {result.message}")

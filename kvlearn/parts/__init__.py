@@ -20,22 +20,16 @@ inherit from the package's finished class; the bases hold only what the chapter 
 block table with `enable_prefix_caching=False`.
 """
 
-from kvlearn.allocator import PageAllocator
-from kvlearn.attention import paged_attention
-from kvlearn.blocks import BlockManager
 from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
 from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
-from kvlearn.parts.conformance import CheckReport, check
+from kvlearn.parts.conformance import SUITES, CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
-from kvlearn.radix import RadixCache
-from kvlearn.serving.scheduler import Scheduler
 
 # Each part's name -> the package's own class (for "attention", function) of that name (what a missing
 # part is; "block_table" is BlockManager built with enable_prefix_caching=False).
-PARTS = {"block_table": BlockManager, "block_manager": BlockManager, "radix_cache": RadixCache,
-         "allocator": PageAllocator, "attention": paged_attention, "scheduler": Scheduler}
+PARTS = {name: suite.reference for name, suite in SUITES.items()}
 
 __all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
            "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",

@@ -2,7 +2,8 @@
 
 The pool builds it as `allocator_cls(num_pages, device=...)` and calls only the members of
 `AllocatorPart`; the package's own is `kvlearn.allocator.PageAllocator`. A learner writes the free
-list: `alloc`, `free` and `free_pages`; `AllocatorBase` holds the rest.
+list: `alloc`, `free` and `free_pages`; `AllocatorBase` (kvlearn/allocator_base.py, re-exported
+here; `PageAllocator` inherits it too) holds the rest.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from typing import Protocol
 
 import torch
 
-from kvlearn.device import resolve_device
-from kvlearn.errors import check_positive_int
+from kvlearn.allocator_base import AllocatorBase
+
+__all__ = ["AllocatorPart", "AllocatorBase"]
 
 
 class AllocatorPart(Protocol):
@@ -20,7 +22,10 @@ class AllocatorPart(Protocol):
 
     Rules: a page is handed out at most once until it is freed (never twice); `alloc(n)` with fewer
     than `n` free pages raises `kvlearn.KVCapacityError` and takes nothing; `free` of a page that is
-    already free raises ValueError and frees nothing; `num_free + pages held by callers == num_pages`.
+    already free, listed twice, or outside 0 .. num_pages - 1 raises ValueError and frees nothing;
+    `num_free + pages held by callers == num_pages`. The free list is a stack (chapter 4): a fresh
+    allocator hands out 0, 1, 2, ...; `alloc(n)` takes the first `n` of `free_pages`; `free(pages)`
+    puts them back in front, `pages[0]` first, so the page freed last is handed out first.
     """
 
     num_pages: int  # query: pages it manages, ids 0 .. num_pages - 1
@@ -40,28 +45,5 @@ class AllocatorPart(Protocol):
         """Mutation: take `n` free pages; a 1-D int64 tensor of their ids."""
 
     def free(self, pages: torch.Tensor) -> None:
-        """Mutation: give back distinct pages (a 1-D int64 tensor) that `alloc` handed out."""
-
-
-class AllocatorBase:
-    """The allocator's bookkeeping that chapter 4 does not teach: the checked size, the device,
-    `num_free` and `is_free` read from your `free_pages`, and a repr. Inherit from it, call
-    `super().__init__(num_pages, device)` in your `__init__`, then build your free list and write
-    `alloc`, `free` and `free_pages` (override `num_free` with a counter if you keep one)."""
-
-    def __init__(self, num_pages: int, device=None):
-        check_positive_int("num_pages", num_pages)
-        self.num_pages = num_pages
-        self.device = resolve_device(device)
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_pages)
-
-    def is_free(self, pages: torch.Tensor) -> torch.Tensor:
-        free = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        free[torch.tensor(self.free_pages, dtype=torch.int64, device=self.device)] = True
-        return free[pages.to(self.device)]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(pages={self.num_pages}, free={self.num_free})"
+        """Mutation: give back distinct pages (a 1-D int64 tensor) that `alloc` handed out;
+        `pages[0]` is handed out first next time."""

@@ -11,7 +11,8 @@ as `cls(num_blocks, block_size, enable_prefix_caching=True, allocator=pool.alloc
 `blocks`, `is_cached` and `free_block_ids`. A learner adds the hash-chain lookup, hash_blocks and
 least-recently-freed reuse.
 
-`kvlearn.blocks.BlockManagerBase` (re-exported here) holds the rest for both.
+`BlockManagerBase` (kvlearn/blocks_base.py, re-exported here; `kvlearn.BlockManager` inherits it too)
+holds the rest for both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvlearn.blocks import Block, BlockManagerBase, PrefixCacheStats
+from kvlearn.blocks_base import Block, BlockManagerBase, PrefixCacheStats
 from kvlearn.sequence import Sequence
 
 __all__ = ["BlockTablePart", "BlockManagerPart", "BlockManagerBase"]
@@ -31,11 +32,12 @@ class BlockTablePart(Protocol):
 
     Rules (the chapter's): a sequence's table holds one block per logical block, new blocks are the
     allocator's free pages (`allocator.alloc`), and every block of a deallocated sequence goes back
-    to the allocator (`allocator.free`); a block's `ref_count` is the number of live block tables
-    that hold it. Token position p lives in slot `block_table[p // block_size] * block_size +
+    to the allocator in table order, in one `allocator.free` call (so the table's first block is
+    handed out first next time); a block's `ref_count` is the number of live block tables that
+    hold it. Token position p lives in slot `block_table[p // block_size] * block_size +
     p % block_size`. A call that cannot be served raises `kvlearn.KVCapacityError` (no room) or
-    ValueError (a sequence allocated twice, or deallocated twice or never allocated) and changes
-    nothing.
+    ValueError (a sequence allocated twice, or any other call on one deallocated or never
+    allocated) and changes nothing.
     """
 
     block_size: int
@@ -84,12 +86,15 @@ class BlockManagerPart(BlockTablePart, Protocol):
     block is published (findable by its chained hash) only by `hash_blocks`, once its KV is computed,
     and one copy per prefix; a new sequence shares its longest published prefix, never its last
     token; a block's `ref_count` is the number of live block tables that hold it. A deallocated
-    block nobody holds stays cached if it is the published copy of its prefix. A call that cannot
-    be served raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated
-    twice or never allocated) and changes nothing.
+    block nobody holds stays cached if it is the published copy of its prefix (`deallocate` walks
+    the table from its last block, so the head of a prefix is evicted last); the others go back to
+    the allocator in table order. `allocate` counts each sequence in `stats` (queries,
+    query_tokens, hit_blocks, hit_tokens); queries count nothing. A call that cannot be served
+    raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated twice or never
+    allocated) and changes nothing.
     """
 
-    stats: PrefixCacheStats    # the engine reads stats.evicted_blocks (cached blocks reused or dropped)
+    stats: PrefixCacheStats    # allocate counts in it; the engine reads stats.evicted_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -99,7 +104,9 @@ class BlockManagerPart(BlockTablePart, Protocol):
         """Query: tokens `allocate` would take from the cache now; changes nothing."""
 
     def hash_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
-        """Mutation: publish the full blocks whose KV is computed; returns how many were new."""
+        """Mutation: hash the full blocks whose KV is computed and that have no hash yet; each is
+        published unless another block already publishes its prefix (then it is a copy, never
+        published, and keeps its hash so it is never hashed again). Returns how many got a hash."""
 
     def evict_cached(self) -> int:
         """Mutation: forget every cached block nobody uses; returns the tokens forgotten."""

@@ -1,9 +1,10 @@
 """Brute-force references that judge a part: they know nothing of nodes, heaps, hashes or padding.
 
 Each one keeps the state a chapter's structure stands for as plain Python data (dicts of token
-prefixes, sets of pages) and says what every call must return. Where the chapter leaves a choice
-open (which free page, which of several blocks freed at the same moment), the reference takes the
-part's choice once it has checked it is one of the allowed ones, and goes on from there. Attention
+prefixes, lists of free pages) and says what every call must return. Where the chapter leaves a
+choice open (where in a block table the new blocks go, which leaf a radix cache evicts among equally
+old ones), the reference takes the part's choice once it has checked it is one of the allowed ones,
+and goes on from there. Attention
 (chapter 5) is computed one query at a time, its keys read slot by slot. Used by
 `kvlearn.parts.check` and by the package's own property tests (tests/test_*_state_machine.py).
 """
@@ -21,7 +22,11 @@ class RadixReference:
 
     The clock ticks once per match or insert. A lock covers every prefix of the locked prefix.
     Eviction takes an unlocked leaf (a prefix that no other prefix extends) with the smallest key:
-    its time under "lru", (hits, time) under "lfu".
+    its time under "lru", (hits, time) under "lfu", and with it the rest of its node.
+
+    The tree's shape is kept as `ends`, the prefixes where a node ends: where a match stopped (the
+    tree splits an edge there) and where an insert ended; nowhere else. A node holds the pages
+    after the nearest shorter end up to its own; evicting a leaf takes all of them at once.
     """
 
     def __init__(self, page_size: int = 1, policy: str = "lru"):
@@ -31,6 +36,7 @@ class RadixReference:
         self.hits: dict[tuple, int] = {}
         self.clock = 0
         self.locks: list[tuple] = []   # one locked prefix per lock held
+        self.ends: set[tuple] = set()  # the prefixes where a node of the tree ends
 
     # --- queries ---------------------------------------------------------------------------------
     def aligned(self, key: tuple) -> tuple:
@@ -68,6 +74,10 @@ class RadixReference:
         parents = {p[:-self.page] for p in self.slot}
         return [p for p in self.slot if p not in parents and not self.locked(p)]
 
+    def node_start(self, end: tuple) -> tuple:
+        """Where the node ending at `end` starts: the longest shorter end on its path (or the root)."""
+        return max((e for e in self.ends if len(e) < len(end) and end[:len(e)] == e), key=len, default=())
+
     # --- mutations -------------------------------------------------------------------------------
     def _touch(self, key: tuple, n: int) -> None:
         for j in range(self.page, n + 1, self.page):
@@ -79,6 +89,8 @@ class RadixReference:
         n = self.cached_length(key)
         self.clock += 1
         self._touch(key, n)
+        if n:
+            self.ends.add(key[:n])
         for j in range(self.page, n + 1, self.page):
             self.hits[key[:j]] += 1
         return n, self.slots_of(key, n)
@@ -92,6 +104,7 @@ class RadixReference:
         for j in range(present + self.page, len(aligned) + 1, self.page):
             self.slot[key[:j]] = tuple(value[j - self.page:j])
             self.hits[key[:j]] = 0
+        self.ends.update(end for end in (key[:present], aligned) if end)
         self._touch(key, len(aligned))
         return present, self.slots_of(key, len(aligned))
 
@@ -114,30 +127,42 @@ class RadixReference:
             return f"it evicted a locked node (tokens {list(last)})"
         if self.evict_key(last) > min(map(self.evict_key, self.unlocked_leaves())):
             return f"it evicted tokens {list(last)} while a leaf used less recently was unlocked"
+        start = self.node_start(last)
+        if last not in self.ends or len(victims) * self.page != len(last) - len(start):
+            first = len(last) - len(victims) * self.page
+            return (f"it evicted tokens {list(last[first:])} of the node that holds tokens {list(last[len(start):])} "
+                    f"(after {list(start)}): a leaf leaves the tree whole")
         for p in victims:
             del self.slot[p], self.time[p], self.hits[p]
+        self.ends.discard(last)
         return None
 
 
 class BlockReference:
-    """A block manager without hashes: which pages are free, which blocks are cached (and when each
-    was freed), which block holds the published copy of which token prefix, and the live tables.
+    """A block manager without hashes: the allocator's free pages (in the order it hands them out),
+    the cached blocks (in the order they are reused, and when each was freed), which block holds the
+    published copy of which token prefix, the live tables, and the prefix-cache counters.
 
     A block is published by the first `hash_blocks` that finds it full and computed, unless another
-    block already holds its prefix: then it stays a duplicate for good. New blocks are free pages
-    first (any of them: the allocator chooses), then cached blocks, least recently freed first
-    (blocks freed by one `deallocate` count as freed together).
+    block already holds its prefix: then it stays a copy for good, never published. New blocks are
+    free pages first (those the allocator hands out), then cached blocks, least recently freed
+    first; one `deallocate` caches its blocks from the table's last to its first (so the head of a
+    prefix is reused last) and gives the others back to the allocator in table order, the first
+    handed out first next time (the allocator is a stack). A mutation that breaks a rule says which:
+    a (rule, what happened) pair, the rule a key of the suites' hints.
     """
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
         self.num_blocks, self.bs, self.caching = num_blocks, block_size, caching
-        self.free = set(range(num_blocks))   # the allocator's free pages
-        self.cached: dict[int, int] = {}     # cached block nobody uses -> when it was freed
+        self.free = list(range(num_blocks))  # the allocator's free pages, the next one handed out first
+        self.cached: dict[int, int] = {}     # cached block nobody uses -> when it was freed; reuse order
         self.held: dict[int, tuple] = {}     # published block -> the token prefix its KV completes
-        self.hashed: set[int] = set()        # published blocks and their duplicates
+        self.hashed: dict[int, tuple] = {}   # published blocks and their copies -> the prefix each completes
+        self.freed_copies: set[int] = set()  # free pages a deallocate gave back as unpublished copies
         self.tables: dict[int, list[int]] = {}  # seq_id -> block table of a live sequence
         self.clock = 0
         self.evicted_blocks = 0
+        self.counters = (0, 0, 0, 0)         # allocate's stats: queries, query_tokens, hit_blocks, hit_tokens
 
     # --- queries ---------------------------------------------------------------------------------
     def refs(self) -> Counter:
@@ -164,80 +189,98 @@ class BlockReference:
         refs = self.refs()
         return -(-num_tokens // self.bs) - sum(refs[b] > 0 for b in hit)
 
+    def has_copy(self, b: int) -> bool:
+        """Whether another hashed block completes the same prefix as block `b`."""
+        return b in self.hashed and sum(prefix == self.hashed[b] for prefix in self.hashed.values()) > 1
+
     # --- mutations -------------------------------------------------------------------------------
-    def take(self, new: list[int]) -> str | None:
+    def take(self, new: list[int]) -> tuple[str, str] | None:
         """The part gave these blocks for new KV (`allocate` and `append` call it): the rule it broke,
         or None (and they are taken)."""
         if len(set(new)) != len(new):
-            return f"it handed out block(s) {sorted(b for b, k in Counter(new).items() if k > 1)} twice"
+            return "take", f"it handed out block(s) {sorted(b for b, k in Counter(new).items() if k > 1)} twice"
         busy = [b for b in new if b not in self.free and b not in self.cached]
         if busy:
-            return f"it handed out block(s) {busy}, which are in use (or do not exist)"
+            return "take", f"it handed out block(s) {busy}, which are in use (or do not exist)"
         from_cached = [b for b in new if b in self.cached]
         if len(new) - len(from_cached) != min(len(new), len(self.free)):
-            return (f"it reused cached block(s) {from_cached} while the allocator still had free pages "
-                    f"{sorted(self.free)}")
-        rest = [t for b, t in self.cached.items() if b not in from_cached]
-        if from_cached and rest and max(self.cached[b] for b in from_cached) > min(rest):
-            oldest = min(self.cached, key=self.cached.get)
-            return f"it reused cached block(s) {from_cached} before block {oldest}, which was freed earlier"
+            return "take", (f"it reused cached block(s) {from_cached} while the allocator still had free pages "
+                            f"{sorted(self.free)}")
+        due = list(self.cached)[:len(from_cached)]
+        if set(from_cached) != set(due):
+            skipped = next(b for b in due if b not in from_cached)
+            return "take", (f"it reused cached block(s) {from_cached} before block {skipped}, which was freed "
+                            "earlier (one deallocate frees its table from the last block to the first)")
         for b in new:
-            self.free.discard(b)
-            if self.cached.pop(b, None) is not None:
+            if b in self.free:
+                self.free.remove(b)
+                self.freed_copies.discard(b)
+            else:
+                del self.cached[b]
                 self.forget(b)
                 self.evicted_blocks += 1
         return None
 
     def forget(self, b: int) -> None:
         self.held.pop(b, None)
-        self.hashed.discard(b)
+        self.hashed.pop(b, None)
 
-    def allocate(self, seq_id: int, hit: list[int], new: list[int]) -> str | None:
-        """`allocate` gave the sequence the `hit` blocks, then `new` ones: the rule it broke, or None."""
+    def allocate(self, seq_id: int, hit: list[int], new: list[int], num_tokens: int) -> tuple[str, str] | None:
+        """`allocate` gave the sequence of `num_tokens` tokens the `hit` blocks, then `new` ones: the
+        rule it broke, or None (and the counters count it)."""
+        shared = [b for b in new if b in hit]
+        if shared:
+            return "share", f"it handed out block(s) {shared} for new KV, which are in use: the sequence shares them"
         for b in hit:   # hits are taken before any new block, so no hit is reused for new KV
             self.cached.pop(b, None)
         self.tables[seq_id] = list(hit) + list(new)
+        if self.caching:
+            queries, tokens, blocks, hit_tokens = self.counters
+            self.counters = (queries + 1, tokens + num_tokens, blocks + len(hit), hit_tokens + len(hit) * self.bs)
         return self.take(new)
 
-    def append(self, seq_id: int, table: list[int]) -> str | None:
+    def append(self, seq_id: int, table: list[int]) -> tuple[str, str] | None:
         """`may_append` grew the sequence's table to `table`: the rule it broke, or None."""
         new = table[len(self.tables[seq_id]):]
         self.tables[seq_id] = list(table)
         return self.take(new)
 
     def publish(self, seq_id: int, tokens: list[int], num_computed: int) -> int:
-        """`hash_blocks`: returns how many blocks were hashed now (published or duplicates)."""
+        """`hash_blocks`: returns how many blocks were hashed now (published or copies)."""
         if not self.caching:
             return 0
         table, new = self.tables[seq_id], 0
         for j in range(num_computed // self.bs):
             b = table[j]
             if b not in self.hashed:
-                self.hashed.add(b)
-                new += 1
                 prefix = tuple(tokens[:(j + 1) * self.bs])
                 if prefix not in self.held.values():
                     self.held[b] = prefix
+                self.hashed[b] = prefix
+                new += 1
         return new
 
     def release(self, seq_id: int) -> None:
-        """`deallocate`: blocks nobody holds any more are cached if published, else free."""
+        """`deallocate`: blocks nobody holds any more are cached if published (the table's last
+        block first), else given back to the allocator (in table order, the first on top)."""
         table = self.tables.pop(seq_id)
         refs = self.refs()
         self.clock += 1
-        for b in table:
-            if refs[b]:
-                continue
+        last_user = [b for b in table if not refs[b]]
+        released = [b for b in last_user if b not in self.held]
+        self.freed_copies |= {b for b in released if b in self.hashed}
+        for b in reversed(last_user):
             if b in self.held:
                 self.cached[b] = self.clock
-            else:
-                self.forget(b)
-                self.free.add(b)
+        for b in released:
+            self.forget(b)
+        self.free = released + self.free
 
     def evict_cached(self) -> int:
+        """`evict_cached`: every cached block goes back to the allocator, the first to be reused on top."""
         for b in self.cached:
             self.forget(b)
-            self.free.add(b)
+        self.free = list(self.cached) + self.free
         self.evicted_blocks += len(self.cached)
         n, self.cached = len(self.cached) * self.bs, {}
         return n

@@ -5,7 +5,7 @@ chunked_prefill=...)`, like `kvlearn.serving.scheduler.Scheduler`, and calls onl
 `SchedulerPart`. A learner writes `schedule()`: which running requests decode (preempting the
 newest when the KV manager has no slot; eviction happens inside the KV manager), which prompts
 already started compute their next chunk, and which waiting requests are admitted, in queue order,
-within the token budget, deferring one that shares an uncomputed prefix with this step's prompts.
+within the token budget (`SchedulerPart` lists the rules in the order the referee applies them).
 `kvlearn.serving.scheduler.SchedulerBase` (re-exported here) holds the rest: the queues, the report
 and the stats, the mechanics of a preemption and of an admission, and everything after the forward.
 """
@@ -23,16 +23,29 @@ __all__ = ["SchedulerPart", "SchedulerBase"]
 class SchedulerPart(Protocol):
     """What the engine asks of a scheduler (`kvlearn.serving.engine.Engine.step`).
 
-    Rules (the chapter's), for each `schedule()`: every running request that is not in the middle of
-    a chunked prompt decodes one token, oldest first; when the KV manager cannot give one a slot
-    (`kv.grow` is False, eviction included), the newest running request is preempted and the
-    request tries again (if it was the newest itself, it is preempted and does not decode). Then
-    each prompt already started computes its next chunk, oldest first, within the budget
-    (`max_batch_tokens` minus one token per decode). Then, unless the step preempted, waiting
-    requests are admitted in `queue_order()` while budget is left: one that `shares_in_batch` is
-    deferred (it stays in the queue, the next one is tried); the first that the pool cannot hold
-    stops admission; without chunked prefill, a prompt bigger than the budget left waits unless
-    nothing runs and nothing was admitted. The batch lists admissions, chunks, then decodes.
+    The chapter's rules for each `schedule()`, in the order the referee (`Scheduler.schedule`)
+    applies them. A request's fields: `req.num_computed` leading tokens have KV, `req.prefill_len`
+    is where its prefill ends, and it is still prefilling (`req.prefilling`) while
+    num_computed < prefill_len.
+
+    1. Decodes: every running request that is not prefilling decodes one token, oldest first
+       (`running` is in admission order). When the KV manager cannot give it a slot (`kv.grow(req)`
+       is False, eviction included), the newest running request (`running[-1]`) is preempted and
+       the request tries again; if it was the newest itself, it is preempted and does not decode.
+    2. Chunks: then each request still prefilling computes its next chunk, oldest first:
+       min(prefill_len - num_computed, budget) while budget > 0, where the budget is
+       `max_batch_tokens` minus one token per decode.
+    3. Admissions, none in a step that preempted: for each waiting request in `queue_order()`
+       (request, cached tokens), with `uncached = len(req.token_ids) - cached`:
+       a. stop if the budget is spent (budget <= 0);
+       b. stop, without chunked prefill, if uncached > budget while something runs or was admitted
+          in this step (it runs alone, whole, once nothing else does);
+       c. only then: if `shares_in_batch(req, cached)`, defer it (its rid to `report.deferred`; it
+          stays in the queue) and try the next; a request stopped by a. or b. must wait anyway and
+          is not deferred;
+       d. `start(req, budget)`: None means the pool is full, which stops admission; else it returns
+          the tokens computed now, which leave the budget.
+    The batch lists admissions, chunks, then decodes (`form_batch`).
     """
 
     kv: object                  # the KV manager (kvlearn.serving.kv_manager.KVManager)

@@ -5,7 +5,8 @@ engine hands it the pool's) and random operations over a 3-token alphabet (so pr
 blocks): allocate (often a prompt that extends an earlier one), compute (`hash_blocks` up to some
 token), append a token (and may_append, or preempt when there is no room), deallocate, misuse of a
 deallocated sequence, `slot_mapping`, `evict_cached`. After every call the part's blocks, counts
-and tables must be the reference's.
+(the prefix-cache counters in `stats` too), tables and free blocks must be the reference's, the
+free blocks in the order they will be handed out.
 
 With `caching=False` (chapter 1's `block_table` suite, `suite_block_table`) the part is built with
 `enable_prefix_caching=False`, judged by the reference with prefix caching off, and asked only what
@@ -33,21 +34,35 @@ HINTS = {
     "take": "new blocks come from the allocator's free pages first (allocator.alloc); only when it has none left "
             "is a cached block reused, least recently freed first, and it forgets the hash it published "
             "(chapter 2: BlockManagerBase.evict_one).",
+    "share": "allocate takes its hits first: each leaves cached_blocks and gains a holder before new_blocks runs, "
+             "so eviction never hands out a block the sequence shares (chapter 2).",
     "refs": "a block's ref_count is the number of live block tables that hold it: +1 for each block allocate "
             "or may_append gives a sequence, -1 for each block of a sequence deallocate releases.",
     "free": "when its last user leaves, a block stays cached (still hittable, at the back of the LRU list) only "
             "if it is the published copy of its prefix; any other block goes back to the allocator "
             "(allocator.free). num_free_blocks counts both: the allocator's free pages and cached blocks.",
-    "publish": "hash_blocks(seq, n) publishes the full blocks among the first n tokens: block i's hash chains "
-               "the hash of block i - 1 with its tokens. A block whose prefix another block already publishes "
-               "stays unpublished for good (one copy is enough): it keeps its hash, so it is not hashed again.",
+    "order": "deallocate walks the table from its last block, but gives the blocks it does not keep cached back "
+             "to the allocator in table order, in one allocator.free call (the released list reversed): the "
+             "table's first block is then handed out first (chapter 1: back to the free list, in table order).",
+    "walk": "deallocate walks the table from its last block to its first: each published block nobody holds goes "
+            "to the end of cached_blocks in that order, so the head of a prefix is evicted last (chapter 2).",
+    "duplicate": "one copy per prefix: the first block hash_blocks publishes for a prefix stays its published copy "
+                 "(hash_to_block_id.setdefault: a later copy never replaces it), and only the published copy stays "
+                 "cached when its last user leaves; a copy goes back to the allocator (chapter 2).",
+    "publish": "hash_blocks(seq, n) publishes the full blocks among the first n tokens, once their KV is computed "
+               "(never allocate): each block without a hash gets its chained hash (block i - 1's hash with its "
+               "tokens) and its token_ids, and hash_to_block_id gets that hash unless it already points at another "
+               "block (one copy per prefix). A copy keeps its hash all the same, so it is never hashed again.",
+    "stats": "allocate counts each sequence it gives a table in stats (self.count_hits(seq), once "
+             "seq.num_cached_tokens is set): queries + 1, query_tokens + its tokens, hit_blocks + its hits, "
+             "hit_tokens + its cached tokens; a refused allocate, num_cached_prefix and can_allocate count nothing.",
     "append": "may_append gives the sequence a new block when its newest token starts one (the table has a "
               "block per logical block again); can_append says whether that needs a block nobody has.",
     "capacity": "allocate and may_append raise kvlearn.KVCapacityError when too few blocks are free, before "
                 "changing anything (can_allocate / can_append tell in advance).",
-    "misuse": "deallocate, may_append, can_append and hash_blocks raise ValueError for a sequence that is not "
-              "allocated (never, or already deallocated), allocate for one that is, and they change nothing "
-              "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
+    "misuse": "deallocate, may_append, can_append, slot_mapping and hash_blocks raise ValueError for a sequence "
+              "that is not allocated (never, or already deallocated), allocate for one that is, and they change "
+              "nothing (BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
     "slots": "slot_mapping(seq, start, end): token position p lives in slot "
              "block_table[p // block_size] * block_size + p % block_size (chapter 1).",
     "evict_cached": "evict_cached forgets every cached block nobody uses, gives them back to the allocator and "
@@ -81,7 +96,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
     m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching={caching}, allocator=allocator)",
                    impl, n_blocks, bs, enable_prefix_caching=caching, allocator=allocator)
     # After a refused call, whatever changed is the refusal's fault: the capacity rule is the hint.
-    refused = {**hints, **dict.fromkeys(("refs", "free", "table"), hints["capacity"])}
+    refused = hints | {key: hints["capacity"] for key in ("refs", "free", "order", "walk", "table") if key in hints}
     live: list[list] = []   # [sequence, its name, tokens computed]
     dead: list[list] = []
     prompts: list[list[int]] = []
@@ -124,12 +139,14 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
                 trace.answer(f"block_table {table}, num_cached_tokens {s.num_cached_tokens}")
                 same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens,
                      hints["hit" if caching else "table"])
-                if caching:
-                    same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)], hints["hit"])
+                if caching:   # a copy of a prefix in place of its published block breaks the one-copy rule
+                    copies = [g for g, b in zip(table, hit) if g != b and ref.hashed.get(g) == ref.held[b]]
+                    same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)],
+                         hints["duplicate" if copies else "hit"])
                 same(f"len({name}.block_table)", s.num_blocks, len(table), hints["table"])
-                problem = ref.allocate(s.seq_id, hit, table[len(hit):])
+                problem = ref.allocate(s.seq_id, hit, table[len(hit):], s.num_tokens)
                 if problem:
-                    raise Broken(f"m.allocate({name}): {problem}", hints["take"])
+                    raise Broken(f"m.allocate({name}): {problem[1]}", hints[problem[0]])
                 live.append([s, name, len(hit) * bs if caching else s.num_tokens])   # nothing to publish
         elif op == "compute" and live:
             entry = rng.choice(live)
@@ -165,7 +182,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
                 same(f"len({name}.block_table)", s.num_blocks, len(table), hints["append"])
                 problem = ref.append(s.seq_id, table)
                 if problem:
-                    raise Broken(f"m.may_append({name}): {problem}", hints["take"])
+                    raise Broken(f"m.may_append({name}): {problem[1]}", hints[problem[0]])
         elif op == "deallocate" and live:
             release(rng.choice(live))
         elif op == "allocate_again" and live:
@@ -174,9 +191,11 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
                           hint=hints["misuse"])
         elif op == "misuse" and dead:
             s, name, _ = rng.choice(dead)
-            call = rng.choice(["deallocate", "may_append", "can_append"] + (["hash_blocks"] if caching else []))
-            trace.refused(f"m.{call}({name})   # deallocated", (ValueError,), getattr(m, call), s,
-                          hint=hints["misuse"])
+            call = rng.choice(["deallocate", "may_append", "can_append", "slot_mapping"]
+                              + (["hash_blocks"] if caching else []))
+            args = (s, 0, 0) if call == "slot_mapping" else (s,)
+            trace.refused(f"m.{call}({', '.join([name] + ['0'] * (len(args) - 1))})   # deallocated", (ValueError,),
+                          getattr(m, call), *args, hint=hints["misuse"])
         elif op == "slot_mapping" and live:
             s, name, _ = rng.choice(live)
             covered = min(s.num_tokens, len(s.block_table) * bs)
@@ -198,8 +217,8 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
 
 def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[list], trace: Trace,
                 caching: bool = True, hints: dict = HINTS) -> None:
-    """Every block's ref_count, the free (and, with caching, cached) blocks and the live tables,
-    against the reference."""
+    """Every block's ref_count, the free blocks (which, then in what order) and, with caching, the
+    cached ones and the counters, and the live tables, against the reference."""
     def ask(what: str):
         return trace.call(f"m.{what}", attrgetter(what), m, quiet=True)
 
@@ -211,14 +230,36 @@ def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[lis
     for s, name, _ in live:
         same(f"{name}.block_table", ref.tables[s.seq_id], list(s.block_table), hints["table"])
     same("m.num_free_blocks", ref.num_free, number("num_free_blocks", ask("num_free_blocks")), hints["free"])
-    same("the allocator's free pages (the part must take new blocks from the allocator it was given)",
-         sorted(ref.free), sorted(allocator.free_pages), hints["free"])
+    pages = allocator.free_pages
+    what = "the allocator's free pages (the part must take new blocks from the allocator it was given)"
+    same(f"{what}, sorted", sorted(ref.free), sorted(pages),
+         free_rule(ref, blocks, set(pages), hints) if caching else hints["free"])
+    same(f"{what}, in the order they are handed out", ref.free, pages, hints["order"])
     if caching:
         same("m.num_cached_free_blocks", len(ref.cached),
              number("num_cached_free_blocks", ask("num_cached_free_blocks")), hints["free"])
     same("the blocks m.is_cached says are cached", sorted(ref.cached),
          [b for b in range(ref.num_blocks) if trace.call(f"m.is_cached({b})", m.is_cached, b, quiet=True)],
          hints["free"])
-    same("sorted(m.free_block_ids)", sorted(ref.free | set(ref.cached)), sorted(ask("free_block_ids")), hints["free"])
+    ids = list(ask("free_block_ids"))
+    same("sorted(m.free_block_ids)", sorted(ref.free + list(ref.cached)), sorted(ids), hints["free"])
+    same("m.free_block_ids (the order they are handed out)", ref.free + list(ref.cached), ids,
+         hints["walk" if caching else "order"])
     if caching:
-        same("m.stats.evicted_blocks", ref.evicted_blocks, ask("stats.evicted_blocks"), hints["take"])
+        stats = ask("stats")
+        same("m.stats (queries, query_tokens, hit_blocks, hit_tokens)", ref.counters,
+             (stats.queries, stats.query_tokens, stats.hit_blocks, stats.hit_tokens), hints["stats"])
+        same("m.stats.evicted_blocks", ref.evicted_blocks, stats.evicted_blocks, hints["take"])
+
+
+def free_rule(ref: BlockReference, blocks, pages: set, hints: dict) -> str:
+    """The hint for free pages that are not the reference's: the one-copy rule when a copy of a
+    prefix is among the blocks that differ, the publish rule when the part kept a block cached that
+    it hashed before its KV was computed, else the deallocate rule."""
+    kept = [b for b in ref.free if b not in pages]    # the reference gave them back, the part did not
+    lost = [b for b in pages if b not in ref.free]    # the part gave them back, the reference did not
+    if any(b in ref.freed_copies for b in kept) or any(ref.has_copy(b) for b in lost):
+        return hints["duplicate"]
+    if any(getattr(blocks[b], "hash", None) is not None for b in kept):
+        return hints["publish"]
+    return hints["free"]

@@ -4,7 +4,8 @@ caching off (`suite_block_manager` with `caching=False`), and hints in chapter 1
 The part is built as `cls(num_blocks, block_size, enable_prefix_caching=False, allocator=allocator)`
 and judged by `BlockReference(..., caching=False)`: programs of allocate, append (may_append, or a
 preemption when there is no room), deallocate, misuse and `slot_mapping`, with every block's
-ref_count, the free blocks and the live tables compared after each call.
+ref_count, the free blocks (which, and in what order: a deallocate gives its blocks back in table
+order) and the live tables compared after each call.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from kvlearn.parts import suite_block_manager
 from kvlearn.parts.trace import Trace
 
 # The block_manager suite's hints, less what chapter 1 never asks, with its own words where they differ.
-HINTS = {key: hint for key, hint in suite_block_manager.HINTS.items() if key not in ("hit", "publish", "evict_cached")}
+HINTS = {key: hint for key, hint in suite_block_manager.HINTS.items()
+         if key not in ("hit", "share", "walk", "duplicate", "publish", "stats", "evict_cached")}
 HINTS |= {
     "table": "allocate gives the sequence one block per logical block (seq.num_blocks of them, the first "
              "logical block first); without prefix caching seq.num_cached_tokens stays 0 (chapter 1).",
@@ -23,8 +25,11 @@ HINTS |= {
             "a block belongs to one table at a time: never hand out a block that a live table holds.",
     "free": "deallocate gives every block of the table back to the allocator (self.allocator.free(ids), ids a "
             "1-D int64 tensor), so num_free_blocks and free_block_ids count them again.",
-    "misuse": "deallocate, may_append and can_append raise ValueError for a sequence that is not allocated "
-              "(never, or already deallocated), allocate for one that is, and they change nothing "
+    "order": "deallocate gives the blocks nobody holds back to the free list in table order, in one "
+             "self.allocator.free(ids) call: the table's first block is then handed out first (chapter 1: back "
+             "to the free list, in table order; one free call per block would reverse them).",
+    "misuse": "deallocate, may_append, can_append and slot_mapping raise ValueError for a sequence that is not "
+              "allocated (never, or already deallocated), allocate for one that is, and they change nothing "
               "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
 }
 

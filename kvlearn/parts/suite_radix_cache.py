@@ -2,9 +2,10 @@
 
 A program is a page size and random operations over a 3-token alphabet (so keys share prefixes and
 split edges all the time): insert (often extending an earlier key), insert_prefix and lock its
-node (as the engine does), match, match and lock, unlock, evict, `unlocked_on_path`, and bad input
-(a negative token id, a value of the wrong length, unlocking a node nobody locked). After every
-call the three sizes must be the reference's; every eviction callback must hand back one whole,
+node (as the engine does), match, match and lock, unlock, evict, `unlocked_on_path`, bad input
+(a negative token id, a value of the wrong length, unlocking a node nobody locked), and now and
+then a key of more than 256 tokens. After every call the three sizes and the tree's shape (where
+its nodes end) must be the reference's; every eviction callback must hand back one whole,
 unlocked, least recently used leaf.
 """
 
@@ -15,6 +16,7 @@ import random
 import torch
 
 from kvlearn.parts.references import RadixReference
+from kvlearn.radix_base import RadixCacheBase
 from kvlearn.parts.trace import Broken, Trace, ints, number, same
 
 HINTS = {
@@ -33,6 +35,9 @@ HINTS = {
             "A split keeps the lower part as the same node object, so a lock held on it stays right.",
     "unlocked_on_path": "unlocked_on_path(node) counts the tokens from node up to the root in nodes whose "
                         "lock_ref is 0.",
+    "split_lock": "a split must give the new upper node the lock_ref of the node it was cut from: every lock "
+                  "below that node passes through it (unlocked_on_path is the base's and only reads lock_ref, "
+                  "so one of your nodes has a wrong lock_ref).",
     "evict": "evict(n) frees whole unlocked leaves, least recently used first (a match or insert that walks "
              "through a node makes it recent), handing each leaf's value to evict_callback; a parent left as "
              "an unlocked leaf goes in line too. It stops as soon as n tokens are freed, or when nothing "
@@ -42,6 +47,10 @@ HINTS = {
              "handed to evict_callback.",
     "sizes": "evictable_size + protected_size == total_size: tokens in unlocked nodes, in locked nodes, in all "
              "nodes (chapter 3).",
+    "shape": "a node ends where an insert ended or where a match stopped inside an edge, nowhere else: "
+             "match_prefix follows a whole edge as long as the key goes on with it (compare page after page to "
+             "the edge's end) and splits an edge only where the key stops inside it; insert hangs one new leaf "
+             "holding the whole rest of the key (chapter 3).",
     "bad": "bad input (a negative token id, a value whose length is not the key's) raises ValueError or "
            "TypeError before anything changes (RadixCacheBase.as_key and as_value check keys and values).",
     "bad_unlock": "unlock(node) of a node that was not locked itself raises ValueError and changes nothing: "
@@ -50,11 +59,20 @@ HINTS = {
 }
 
 
+# A "long" operation inserts a key of more than 256 tokens, matches it and inserts it again: lengths
+# that big catch `is` between ints (CPython shares the objects of small ints only, so `k is not
+# len(edge)` agrees with `!=` below 257).
+LONG = 270
+
+
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
     setup = {"page_size": rng.choice([1, 1, 2])}
     kinds = ["insert", "insert", "insert_prefix_lock", "match", "match_lock", "unlock", "unlock", "evict",
              "unlocked_on_path", "bad_key", "bad_value", "bad_unlock"]
-    return setup, [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
+    ops = [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(rng.randint(1, 30))]
+    if rng.random() < 0.1:   # now and then a key of more than 256 tokens (see LONG)
+        ops.insert(rng.randint(0, len(ops)), ("long", rng.randrange(1 << 30)))
+    return setup, ops
 
 
 def _key(rng: random.Random, keys: list[tuple]) -> tuple:
@@ -93,18 +111,27 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         same(f"cache.match_prefix({list(key)}).indices", expect_slots, got, HINTS["match"])
         return trace.call(f"{name}.last_node", lambda: result.last_node, quiet=True), key[:expect_len]
 
+    def insert(key):
+        value = fresh(len(key))
+        got = number("insert's answer", trace.call(
+            f"cache.insert({list(key)}, torch.tensor({value.tolist()}))", cache.insert, list(key), value))
+        trace.answer(str(got))
+        same(f"cache.insert({list(key)}, ...)", ref.insert(key, value.tolist())[0], got, HINTS["insert"])
+
     for trace.op, (op, r) in enumerate(ops):
         rng = random.Random(r)
-        if op in ("insert", "insert_prefix_lock"):
+        if op == "long":   # not among `keys`: later keys stay short
+            key = (rng.choice(keys) if keys else ()) + tuple(rng.randint(0, 2) for _ in range(LONG))
+            insert(key)
+            match(key, f"m{next(names)}")
+            insert(key)
+        elif op in ("insert", "insert_prefix_lock"):
             key = _key(rng, keys)
-            value = fresh(len(key))
             keys.append(key)
             if op == "insert":
-                got = number("insert's answer", trace.call(
-                    f"cache.insert({list(key)}, torch.tensor({value.tolist()}))", cache.insert, list(key), value))
-                trace.answer(str(got))
-                same(f"cache.insert({list(key)}, ...)", ref.insert(key, value.tolist())[0], got, HINTS["insert"])
+                insert(key)
             else:
+                value = fresh(len(key))
                 name = f"m{next(names)}"
                 got = trace.call(f"n, {name} = cache.insert_prefix({list(key)}, torch.tensor({value.tolist()}))",
                                  cache.insert_prefix, list(key), value)
@@ -136,7 +163,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                              trace.call(f"cache.unlocked_on_path({name}.last_node)", cache.unlocked_on_path, node))
                 trace.answer(str(got))
                 expect = page * sum(not ref.locked(prefix[:j]) for j in range(page, len(prefix) + 1, page))
-                same(f"cache.unlocked_on_path({name}.last_node)", expect, got, HINTS["unlocked_on_path"])
+                own = getattr(type(cache), "unlocked_on_path", None) is not RadixCacheBase.unlocked_on_path
+                same(f"cache.unlocked_on_path({name}.last_node)", expect, got,
+                     HINTS["unlocked_on_path" if own else "split_lock"])
             elif op == "bad_unlock" and prefix not in ref.locks:
                 trace.refused(f"cache.unlock({name}.last_node)   # nobody locked it", (ValueError,), cache.unlock,
                               node, hint=HINTS["bad_unlock"])
@@ -186,8 +215,9 @@ def a_match(what: str, got):
 
 
 def check_sizes(cache, ref: RadixReference, trace: Trace) -> None:
-    """The three sizes, and slot conservation: the tree's nodes hold exactly the reference's slots
-    (every other slot given to insert went back through evict_callback or to the caller)."""
+    """The three sizes; slot conservation: the tree's nodes hold exactly the reference's slots
+    (every other slot given to insert went back through evict_callback or to the caller); and the
+    tree's shape: its nodes end exactly at the reference's `ends`."""
     for size in ("total_size", "protected_size", "evictable_size"):
         got = number(size, trace.call(f"cache.{size}", getattr, cache, size, quiet=True))
         same(f"cache.{size}", getattr(ref, size), got, HINTS["sizes" if size == "total_size" else "lock"])
@@ -195,3 +225,26 @@ def check_sizes(cache, ref: RadixReference, trace: Trace) -> None:
     held = sorted(s for node in nodes for s in ints("a node's value", node.value))
     same("the slots the tree's nodes hold (sorted)", sorted(s for page in ref.slot.values() for s in page), held,
          HINTS["slots"])
+    ends = node_ends(nodes)
+    for end in sorted(set(ends) | ref.ends, key=lambda e: (len(e), e)):
+        count = ends.count(end)
+        if count != (end in ref.ends):
+            where = "where an insert ended or a match stopped" if end in ref.ends else \
+                "where no insert ended and no match stopped"
+            has = {0: "no node", 1: "a node"}.get(count, f"{count} nodes")
+            raise Broken(f"the tree has {has} ending after tokens {list(end)}, {where} "
+                         f"(its nodes end after {sorted(map(list, ends), key=len)})", HINTS["shape"])
+
+
+def node_ends(nodes: list) -> list[tuple]:
+    """The tokens from the root to the end of each node but the root (a walk up its parents)."""
+    ends = []
+    for node in nodes:
+        prefix, up = (), node
+        for _ in range(len(nodes)):   # a parent chain longer than the tree is a loop
+            if up is None:
+                break
+            prefix, up = tuple(up.key) + prefix, up.parent
+        if node.parent is not None:
+            ends.append(prefix)
+    return ends

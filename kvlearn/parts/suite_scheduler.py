@@ -8,8 +8,11 @@ every request to its end. No model: each request "samples" a token that depends 
 position, sometimes the end-of-sequence token. The part and the reference each get a KV manager of
 their own, built alike; every step, the part's decisions (who is preempted, decodes, computes a
 chunk, is deferred, is admitted with how many tokens, and the batch itself) must be the
-reference's; after every step the queues, statuses and stats must agree; at the end every request
-has finished with its tokens, and once the cache is evicted every slot and row is free.
+reference's. When they are not, the hint names the first of the chapter's rules the part's step
+broke: the referee's admission is replayed, rule by rule in its order, over the waiting requests it
+looked at (`Referee`), against what the part decided for each. After every step the queues,
+statuses and stats must agree; at the end every request has finished with its tokens, and once
+the cache is evicted every slot and row is free.
 """
 
 from __future__ import annotations
@@ -20,36 +23,66 @@ from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
-from kvlearn.parts.trace import Broken, Trace
+from kvlearn.parts.trace import Broken, Raised, Trace, describe
 
 EOS = 4
 JUDGE = "the package's Scheduler on a KV manager of its own"   # what the passing report names
 
+# The chapter's rules, in the order the referee (`Scheduler.schedule`) applies them.
 HINTS = {
-    "preempt": "when kv.grow(req) returns False the pool has no slot for req's newest token, even after "
-               "evicting: preempt the newest running request (self.running[-1], with self.preempt) and try "
-               "again; if req was the newest, it is preempted itself and does not decode. A step that "
-               "preempts admits nobody (chapter 6, section 4).",
-    "decode": "every running request that is not in the middle of a chunked prompt (req.prefilling) decodes "
-              "one token, oldest first (self.running is in admission order): kv.grow(req) gives its newest "
-              "token a slot.",
-    "chunk": "after the decodes, each running request still prefilling computes its next chunk, oldest first: "
-             "min(its tokens without KV, budget left) while budget is left; budget = max_batch_tokens minus "
-             "one token per decode (chapter 6, section 2).",
-    "defer": "a waiting request that shares_in_batch(req, cached) is deferred: add its rid to "
-             "self.report.deferred and try the next one; it stays in the queue (chapter 6, section 3).",
-    "admit": "admit waiting requests in self.queue_order() while budget is left: self.start(req, budget) "
-             "returns the tokens it computes now (subtract them from the budget), or None when the pool is "
-             "full, which stops admission. Without chunked prefill a prompt whose uncached part is bigger "
-             "than the budget left stops admission, unless nothing runs and nothing was admitted this step.",
+    "preempt": "1. decodes, oldest first: when kv.grow(req) returns False the pool has no slot for req's newest "
+               "token, even after evicting: preempt the newest running request (self.running[-1], with "
+               "self.preempt) and try again; if req was the newest, it is preempted itself and does not decode. "
+               "A step that preempts admits nobody (chapter 6, section 4).",
+    "decode": "1. decodes: every running request that is not still prefilling decodes one token, oldest first "
+              "(self.running is in admission order): kv.grow(req) gives its newest token a slot. A request is "
+              "still prefilling while req.num_computed < req.prefill_len (req.prefilling): it does not decode.",
+    "chunk": "2. chunks, after the decodes: each running request still prefilling computes its next chunk, oldest "
+             "first, min(req.prefill_len - req.num_computed, budget) while budget > 0, where budget = "
+             "max_batch_tokens minus one token per decode (chapter 6, section 2).",
+    "phases": "the rules run in order: 1. decodes, with their preemptions; 2. chunks, after the decodes, of the "
+              "requests still running; 3. admissions, none in a step that preempted. A request preempted in "
+              "this step is in no list of the batch.",
+    "preempted": "3. admissions: a step that preempted admits nobody and defers nobody (the pool is short: the "
+                 "waiting requests wait for a later step; chapter 6, section 4).",
+    "budget": "3. admissions stop as soon as the budget is spent (budget <= 0: max_batch_tokens, minus one token "
+              "per decode, minus the chunks' and the admissions' tokens). This stop comes before deferral: a "
+              "request reached then must wait anyway, and is not deferred.",
+    "wait": "3. admissions: without chunked prefill, a waiting request whose uncached part (len(req.token_ids) - "
+            "cached) is bigger than the budget left stops admission while something runs or was admitted this "
+            "step. This stop comes before deferral: a request that must wait anyway is not deferred.",
+    "defer": "3. admissions, after the two stops (budget spent; too big without chunked prefill): a waiting request "
+             "that shares_in_batch(req, cached) is deferred (its rid goes to self.report.deferred, it stays in "
+             "the queue, the next one is tried); one that does not share is started (chapter 6, section 3).",
+    "order": "3. admissions try the waiting requests in self.queue_order()'s order (fcfs: first come, first "
+             "served; lpm: longest cached prefix first), each one once, never skipping ahead.",
+    "admit": "3. admissions, while budget is left: self.start(req, budget) admits a request and returns the "
+             "tokens it computes now; subtract them from the budget (max_batch_tokens, minus one token per "
+             "decode, minus the chunks' tokens).",
+    "full": "3. admissions: self.start(req, budget) returns None when the pool cannot hold req: that stops "
+            "admission (a later, smaller request does not jump the line).",
     "batch": "end schedule() with return self.form_batch(prefills, chunks, decodes): prefills and chunks as "
              "(request, tokens) pairs, decodes as requests, each list in the order you decided.",
     "base": "begin_step() first, form_batch(...) last; add, postprocess, abort and the stats are "
             "SchedulerBase's: leave them to the base.",
 }
-# What each compared field of a step shows first, and the hint for it (in the order compared).
-FIELDS = (("preempted", "preempt"), ("decodes", "decode"), ("chunks", "chunk"), ("deferred", "defer"),
-          ("prefills", "admit"))
+# The step's decisions compared, in the referee's order, and the hint for each (the admissions' by replay).
+DECISIONS = (("preempted", "preempt"), ("decodes", "decode"), ("chunks", "chunk"), ("deferred", None),
+             ("prefills", None))
+
+
+class Referee(Scheduler):
+    """The package's Scheduler, noting which waiting requests its admission looked at in the step, in
+    order (`visits`: (rid, its uncached tokens)), so a part's step can be replayed against its rules."""
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.visits: list[tuple[int, int]] = []
+
+    def queue_order(self):
+        for req, cached in super().queue_order():
+            self.visits.append((req.rid, len(req.token_ids) - cached))
+            yield req, cached
 
 
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
@@ -76,7 +109,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
 
     options = {"in_batch_threshold": setup["in_batch_threshold"], "chunked_prefill": setup["chunked_prefill"]}
     args = (setup["max_batch_tokens"], setup["schedule"], (EOS,))
-    ref = Scheduler(kv_manager(), *args, **options)
+    ref = Referee(kv_manager(), *args, **options)
     kv = kv_manager()
     rows = "" if setup["max_requests"] == 256 else f", max_requests={setup['max_requests']}"
     trace.note(f"kv = make_kv_manager({setup['cache']!r}, KVPool(1, 1, 1, {setup['num_slots']}, "
@@ -117,17 +150,27 @@ def _prompt(rng: random.Random, prompts: list[list[int]]) -> list[int]:
     return [rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
 
 
-def _step(ref: Scheduler, part, pairs: list, trace: Trace) -> None:
+def _step(ref: Referee, part, pairs: list, trace: Trace) -> None:
     expected_batch = ref.schedule()
     expected = ref.report
-    batch = trace.call("batch = scheduler.schedule()", part.schedule)
+    where = f"step {expected.step}"
+    try:
+        batch = trace.call("batch = scheduler.schedule()", part.schedule)
+    except Raised as raised:   # which rule led there: a preemption of the wrong request, or a step out of order
+        got = getattr(part, "report", None)
+        if isinstance(raised.error, NotImplementedError) or not expected.preempted:
+            raise
+        hint = "preempt" if getattr(got, "preempted", None) != expected.preempted else "phases"
+        raise Broken(f"{where}: scheduler.schedule() raised {describe(raised.error)}\n  the reference's step: "
+                     f"{expected!r}\n  your step so far:     {got!r}", HINTS[hint]) from raised.error
     if batch is None:
         raise Broken("schedule() returned None (a stub?): it must return the step's Batch", HINTS["batch"])
     got = trace.call("scheduler.report", lambda: part.report, quiet=True)
     trace.answer(repr(got))
-    where = f"step {expected.step}"
-    for field, hint in FIELDS:
-        _same(f"{where}, {field}", getattr(expected, field), getattr(got, field, None), expected, got, HINTS[hint])
+    for field, hint in DECISIONS:
+        if getattr(got, field, None) != getattr(expected, field):
+            hint = hint or _admission_rule(ref, expected, got)
+            _same(f"{where}, {field}", getattr(expected, field), getattr(got, field, None), expected, got, HINTS[hint])
     want = [(r.rid, len(ids)) for r, ids in zip(expected_batch.requests, expected_batch.input_ids)]
     have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids)]
     _same(f"{where}, the batch's (rid, tokens computed)", want, have, expected, got, HINTS["batch"])
@@ -150,6 +193,40 @@ def _step(ref: Scheduler, part, pairs: list, trace: Trace) -> None:
     _same(f"{where}, the requests' statuses", [str(t.status) for t, _ in pairs], [str(m.status) for _, m in pairs],
           ref.report, part.report, HINTS["base"])
     _same(f"{where}, stats", ref.stats, part.stats, ref.report, part.report, HINTS["base"])
+
+
+def _admission_rule(ref: Referee, expected, got) -> str:
+    """The first admission rule the part's step broke (a key of HINTS): the referee's rules replayed, in
+    its order, over the waiting requests it looked at, against what the part decided for each."""
+    if expected.preempted:
+        return "preempted"
+    prefills, deferred = getattr(got, "prefills", None), getattr(got, "deferred", None)
+    if not (isinstance(deferred, list) and isinstance(prefills, list)
+            and all(isinstance(p, tuple) and len(p) == 3 for p in prefills)):
+        return "base"   # the report is SchedulerBase's: start() and report.deferred fill it
+    started = [rid for rid, _, _ in prefills]
+    computed = {rid: n for rid, _, n in prefills}
+    admitted = {rid: n for rid, _, n in expected.prefills}
+    running = len(ref.running) - len(admitted)   # before this step's admissions
+    budget = ref.max_batch_tokens - len(expected.decodes) - sum(n for _, _, n in expected.chunks)
+    k = 0   # the admissions matched so far
+    for rid, uncached in ref.visits:
+        if budget <= 0:
+            return "budget"
+        if not ref.chunked_prefill and uncached > budget and (running or k):
+            return "wait"
+        if rid in expected.deferred:
+            if rid not in deferred:
+                return "defer"
+        elif rid not in admitted:
+            return "full"   # the referee's start() found the pool full
+        elif k < len(started) and started[k] == rid:
+            if computed[rid] != admitted[rid]:
+                return "admit"
+            k, budget = k + 1, budget - admitted[rid]
+        else:
+            return "defer" if rid in deferred else "order"
+    return "order"
 
 
 def _same(what: str, expected, got, expected_report, got_report, hint: str) -> None:

@@ -7,8 +7,21 @@ copy replaces each such block, markers included, by a stub:
 - a top-level block may hold only assignments `name = value`; each becomes
   `name = ...  # your answer here`, and the checker answers "Not yet" to `...`.
 
-Cells that held a solution lose their outputs and execution count; every other cell (markdown,
-code, outputs) is copied unchanged. `python -m kvlearn student` writes the copies to student/.
+A student copy shows nothing a solution produced. A code cell is *solved*, and loses its outputs and
+execution count, when
+- it holds a solution block, or is a build exercise (`%%part NAME`), or
+- it calls one of SOLVED_CALLS (`check_part`, `use`, `earlier_part`, `gather`, `gather_parts`: what
+  they print depends on the learner's part), or
+- it reads a name that a solved cell bound (by assignment, `def`, `class`, a loop variable; not by
+  an import) and that no cell bound anew since (an unsolved cell's binding, or any import, frees
+  the name); calling a function counts as reading the names its body reads, so a function defined
+  earlier does not hide a solved name.
+Cells are read in order with `ast` (magic lines left out), so this is transitive: a cell that
+reads MyRadixCache is solved, and so is every cell that reads what it computed. Not followed: a
+solved cell that only changes an object an unsolved cell made (a method call on it); the notebooks
+keep what a solved cell computes in names of its own (tests/test_student.py checks the copies
+against names listed by hand). Every other cell (markdown, code, outputs) is copied unchanged.
+`python -m kvlearn student` writes the copies to student/.
 """
 
 import argparse
@@ -22,18 +35,170 @@ from pathlib import Path
 import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+PART_MAGIC = "%%part"
+SOLVED_CALLS = frozenset({"check_part", "use", "earlier_part", "gather", "gather_parts"})
 
 
 def student_copy(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """The student version of `nb` (which is not modified). Raises ValueError, naming the cell
-    (counted from 1), for a marker without its partner, nested markers, or a top-level solution
-    block that is not simple assignments."""
+    (counted from 1), for a marker without its partner, nested markers, a top-level solution
+    block that is not simple assignments, or a code cell that is not Python."""
     nb = copy.deepcopy(nb)
+    solved = solved_cells(nb)
     for number, cell in enumerate(nb.cells, 1):
         if cell.cell_type == "code" and (BEGIN in cell.source or END in cell.source):
             cell.source = _stub_solutions(cell.source, f"cell {number}")
+        if number in solved:
             cell.outputs, cell.execution_count = [], None
     return nb
+
+
+def solved_cells(nb: nbformat.NotebookNode) -> list[int]:
+    """The numbers (from 1) of the code cells of `nb` whose outputs depend on a solution, by the
+    rule in the module docstring."""
+    solved, tainted, bodies = [], set(), {}   # bodies: function or class -> the names its body reads
+    for number, cell in enumerate(nb.cells, 1):
+        if cell.cell_type != "code":
+            continue
+        names = _Names.of(cell.source, f"cell {number}")
+        reads, todo = set(), list(names.reads)
+        while todo:   # a call reads what the function's body reads
+            name = todo.pop()
+            if name not in reads:
+                reads.add(name)
+                todo += bodies.get(name, ())
+        is_solved = (BEGIN in cell.source or END in cell.source or cell.source.startswith(PART_MAGIC)
+                     or bool(names.calls & SOLVED_CALLS) or bool(reads & tainted))
+        if is_solved:
+            solved.append(number)
+        for name, imported in names.bound.items():
+            (tainted.add if is_solved and not imported else tainted.discard)(name)
+            bodies.pop(name, None)
+        bodies.update(names.bodies)
+    return solved
+
+
+class _Names(ast.NodeVisitor):
+    """What one scope of a cell reads before binding it (`reads`), binds (`bound`: name -> bound by
+    an import?), calls by name (`calls`), and what the body of each function or class it defines
+    reads (`bodies`). Visits in evaluation order: a value before its targets, a loop's iterable
+    before its variable."""
+
+    def __init__(self, bound=()):
+        self.reads, self.calls, self.bodies = set(), set(), {}
+        self.bound = dict.fromkeys(bound, False)
+
+    @classmethod
+    def of(cls, source: str, cell: str) -> "_Names":
+        python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+        try:
+            tree = ast.parse(python)
+        except SyntaxError as e:
+            raise ValueError(f"{cell}: not Python (line {e.lineno}: {e.msg}); a student copy follows the names "
+                             "each code cell reads, so every code cell must parse (magic lines aside).") from None
+        names = cls()
+        names.visit(tree)
+        return names
+
+    def bind(self, name, imported=False):
+        self.bound.pop(name, None)   # the last binding is the one that counts
+        self.bound[name] = imported
+        self.bodies.pop(name, None)
+
+    def scope(self, bound, *nodes) -> "_Names":
+        """Visit `nodes` in a new scope where `bound` are bound; what it reads from outside, this reads."""
+        inner = _Names(bound)
+        for node in nodes:
+            inner.visit(node)
+        self.reads |= inner.reads - set(self.bound)
+        self.calls |= inner.calls
+        return inner
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Store):
+            self.bind(node.id)
+        elif isinstance(node.ctx, ast.Load) and node.id not in self.bound:
+            self.reads.add(node.id)
+
+    def visit_Call(self, node):
+        func = node.func
+        self.calls.add(getattr(func, "id", getattr(func, "attr", "")))   # f(...) or x.f(...)
+        self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        self.visit(node.value)
+        for target in node.targets:
+            self.visit(target)
+
+    def visit_AugAssign(self, node):
+        self.visit(node.value)
+        if isinstance(node.target, ast.Name) and node.target.id not in self.bound:
+            self.reads.add(node.target.id)
+        self.visit(node.target)
+
+    def visit_For(self, node):
+        self.visit(node.iter)
+        self.visit(node.target)
+        for statement in node.body + node.orelse:
+            self.visit(statement)
+
+    visit_AsyncFor = visit_For
+
+    def comprehension(self, node, *results):
+        parts = [part for gen in node.generators for part in (gen.iter, gen.target, *gen.ifs)]
+        self.scope((), *parts, *results)
+
+    def visit_ListComp(self, node):
+        self.comprehension(node, node.elt)
+
+    visit_SetComp = visit_GeneratorExp = visit_ListComp
+
+    def visit_DictComp(self, node):
+        self.comprehension(node, node.key, node.value)
+
+    def function(self, node, body):
+        arguments = node.args
+        for default in arguments.defaults + [d for d in arguments.kw_defaults if d is not None]:
+            self.visit(default)
+        params = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+        params += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
+        return self.scope(params, *body)
+
+    def visit_Lambda(self, node):
+        self.function(node, [node.body])
+
+    def visit_FunctionDef(self, node):
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        body = self.function(node, node.body)
+        self.bind(node.name)
+        self.bodies[node.name] = body.reads
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node):
+        for part in node.decorator_list + node.bases + node.keywords:
+            self.visit(part)
+        body = self.scope((), *node.body)
+        self.bind(node.name)
+        self.bodies[node.name] = body.reads
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self.bind((alias.asname or alias.name).split(".")[0], imported=True)
+
+    def visit_ImportFrom(self, node):
+        for alias in node.names:
+            if alias.name != "*":
+                self.bind(alias.asname or alias.name, imported=True)
+
+    def visit_ExceptHandler(self, node):
+        if node.type is not None:
+            self.visit(node.type)
+        if node.name:
+            self.bind(node.name)
+        for statement in node.body:
+            self.visit(statement)
 
 
 def _stub_solutions(source: str, cell: str) -> str:
