@@ -221,3 +221,18 @@ def test_the_guarded_kv_managers_show_the_learner_part_as_their_cache():
     pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=MyAllocator)
     assert type(make_kv_manager("radix", pool, parts={"radix_cache": MyRadixCache}).cache) is MyRadixCache
     assert type(pool.allocator) is MyAllocator and pool.page_allocator is not pool.allocator
+
+
+@pytest.mark.parametrize("cache, part", [("radix", "radix_cache"), ("blocks", "block_manager")])
+def test_right_parts_pass_the_guard_under_memory_pressure(model, tokenizer, cache, part):
+    """Evictions and preemptions through the guards: no false alarm, the package's tokens."""
+    from tests.test_parts import MINE
+
+    prompts = [prompt(12, 7)[:8] + prompt(6, seed) for seed in range(6)]
+    options = dict(cache=cache, num_slots=64, max_batch_tokens=32)
+    theirs = Engine(model, tokenizer, **options)
+    ours = Engine(model, tokenizer, **options, parts={part: MINE[part], "allocator": MyAllocator})
+    expected_tokens = [o.token_ids for o in theirs.generate(prompts, max_new_tokens=12)]
+    assert [o.token_ids for o in ours.generate(prompts, max_new_tokens=12)] == expected_tokens
+    assert ours.stats["evicted_tokens"] > 0 and ours.stats["preemptions"] == theirs.stats["preemptions"]
+    assert_whole(ours)
