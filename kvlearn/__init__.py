@@ -15,6 +15,7 @@ _EXPORTS = {
     "model_path": "model",
     "chat_ids": "model",
     "KVCapacityError": "errors",
+    "PartError": "errors",
     "Sequence": "sequence",
     "Block": "blocks",
     "BlockManager": "blocks",

@@ -18,6 +18,20 @@ class KVCapacityError(RuntimeError):
     """Not enough free KV slots or blocks for what was asked; nothing was allocated."""
 
 
+class PartError(RuntimeError):
+    """A learner's part (kvlearn.parts) gave the engine an answer that breaks its contract; the
+    engine checked it before using it, did not use it, and aborted the requests of the step.
+    `part` is the part's name ("radix_cache", "allocator", ...), `call` the call that answered;
+    `impl` the part (its class or function names it) or a label."""
+
+    def __init__(self, part: str, impl, call: str, returned: str, contract: str):
+        self.part, self.call = part, call
+        label = impl if isinstance(impl, str) else getattr(impl, "__qualname__", None) or type(impl).__name__
+        super().__init__(f"parts[{part!r}] ({label}) broke its contract in {call}: it returned {returned}, but "
+                         f"{contract}. The engine did not use that answer; fix the part (kvlearn.parts.check("
+                         f"{part!r}, {label}) tries many programs, but not every one).")
+
+
 def check_int(name: str, value, minimum: int = 0, what: str = "") -> int:
     """Return `value` if it is an int >= `minimum` (bools are not ints here); else TypeError or
     ValueError naming the argument. `what` says what the number counts, e.g. " (tokens per page)"."""
@@ -31,6 +45,14 @@ def check_int(name: str, value, minimum: int = 0, what: str = "") -> int:
 def check_positive_int(name: str, value, what: str = "") -> int:
     """`check_int` with minimum 1: sizes and counts."""
     return check_int(name, value, 1, what)
+
+
+def check_bool(name: str, value, what: str = "") -> bool:
+    """Return `value` if it is True or False (not a string, None or a number); else TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False{what}, got {type(value).__name__} {value!r}: pass "
+                        f"{name}=True or {name}=False.")
+    return value
 
 
 def check_choice(name: str, value, choices) -> str:

@@ -11,6 +11,7 @@ from kvlearn.serving.simulate import simulate
 from kvlearn.serving.config import DEFAULT_NUM_SLOTS, EngineConfig
 from kvlearn.serving.engine import Engine
 from kvlearn.errors import KVCapacityError
+from kvlearn.parts import RadixCacheBase
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
 from kvlearn.serving.request import Request
@@ -295,7 +296,18 @@ def test_engine_config_is_checked_once_with_clear_errors():
            (dict(max_running=True), TypeError, "max_running must be an int"),
            (dict(host_slots=-4), ValueError, "host_slots must be >= 1"),
            (dict(disk_max_bytes=1024), ValueError, "give disk_dir too"),
-           (dict(cache="blocks", host_slots=64), ValueError, "need cache='radix'")]
+           (dict(cache="blocks", host_slots=64), ValueError, "need cache='radix'"),
+           (dict(chunked_prefill="no"), TypeError, r"chunked_prefill must be True or False, got str 'no': pass "
+                                                   "chunked_prefill=True or chunked_prefill=False"),
+           (dict(fast="yes"), TypeError, "fast must be True or False, got str 'yes'"),
+           (dict(plain_text=None), TypeError, "plain_text must be True or False, got NoneType None"),
+           (dict(parts={"radix_cache": RadixCacheBase}), TypeError, r"parts\['radix_cache'\] \(RadixCacheBase\) "
+                                                                    "lacks evict, insert, lock, match_prefix, unlock: "
+                                                                    r"the radix_cache contract \(kvlearn.parts.RadixCachePart\)"),
+           (dict(parts={"allocator": dict}), TypeError, r"parts\['allocator'\] \(dict\) lacks alloc, free, "
+                                                        "free_pages, is_free, num_free"),
+           (dict(parts={"block_manager": object}, cache="blocks"), TypeError, "lacks allocate, can_allocate"),
+           (dict(parts={"attention": object}), TypeError, "is a function like kvlearn.attention.paged_attention")]
     for options, error, message in bad:
         with pytest.raises(error, match=message):
             EngineConfig(**options)
@@ -445,6 +457,24 @@ def test_bad_input_is_rejected_and_the_engine_still_works(model, tokenizer):
     assert out[0].token_ids == hf_greedy(model, ok, 2)
     with pytest.raises(RuntimeError, match="Nothing to run"):
         engine.step()
+
+
+def test_a_pool_too_big_for_memory_is_refused_with_an_estimate(model, tokenizer):
+    with pytest.raises(MemoryError, match=r"A KV pool of 1,000,000,000,000 slots needs about 42,915,344.24 GiB "
+                                          r"\(46,080 bytes per token\) but about [\d,.]+ GiB of cpu memory are "
+                                          r"available: use a smaller num_slots \(about [\d,]+ would fill it all\)"):
+        Engine(model, tokenizer, num_slots=10**12)
+
+
+def test_a_closed_engine_refuses_to_serve(model, tokenizer):
+    with Engine(model, tokenizer, num_slots=64) as engine:
+        engine.add_request([1, 9690, 198, 30], max_new_tokens=2)
+    assert not engine.has_unfinished()   # close() aborted the queued request
+    for call in (lambda: engine.generate([[1, 2]]), lambda: engine.add_request([1, 2]), engine.step, engine.evict_all):
+        with pytest.raises(RuntimeError, match=r"this Engine is closed \(close\(\), or the end of its `with` block\); "
+                                               "build a new Engine to serve again"):
+            call()
+    engine.close()   # idempotent
 
 
 @pytest.mark.slow

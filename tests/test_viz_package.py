@@ -55,3 +55,17 @@ def test_init_only_reexports():
     kinds = {type(node).__name__ for node in tree.body}
     assert kinds <= {"Expr", "ImportFrom", "Assign"}  # docstring, re-exports, __all__
     assert all(hasattr(kvlearn.viz, name) for name in kvlearn.viz.__all__)
+
+
+def test_figures_go_under_the_folder_run_from_never_into_the_installed_clone(tmp_path, monkeypatch):
+    from kvlearn.viz.plots import figures_dir
+
+    monkeypatch.delenv("KVLEARN_FIGURES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    clone_figures = VIZ.parents[1] / "figures"
+    assert figures_dir() == tmp_path / "figures" != clone_figures   # no figures/ above: a new one here
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "notebooks").mkdir()
+    assert figures_dir(tmp_path / "notebooks") == tmp_path / "figures"   # the course's, from notebooks/
+    monkeypatch.chdir(tmp_path / "notebooks")
+    assert figures_dir() == tmp_path / "figures"

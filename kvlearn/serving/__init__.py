@@ -4,6 +4,7 @@ config       EngineConfig: every option of the engine, documented and checked on
 part_registry the parts a learner writes (kvlearn.parts), one record each: every list of parts reads it
 kv_manager   the contract every cache mode implements, and the pool bookkeeping they share
 cache_modes  the three cache modes: none, blocks (chapter 2), radix (chapter 3)
+guard        trust but verify: a learner's part (kvlearn.parts) serves behind a guard that checks its answers
 kv_factories the way in for a later chapter's KV manager (chapter 8's tiers register theirs)
 request      one request: a chapter-1 Sequence with a generation budget and a status
 scheduler    continuous batching: which requests run in the next step

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from kvlearn.errors import check_choice, check_positive_int
+from kvlearn.errors import check_bool, check_choice, check_positive_int
 from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.part_registry import REGISTRY
@@ -65,6 +65,9 @@ class EngineConfig:
         check_choice("write_policy", self.write_policy, WRITE_POLICIES)
         self.page_size = default_page_size(self.cache) if self.page_size is None else self.page_size
         self.num_slots = DEFAULT_NUM_SLOTS if self.num_slots is None else self.num_slots
+        check_bool("chunked_prefill", self.chunked_prefill)
+        check_bool("plain_text", self.plain_text)
+        check_bool("fast", self.fast)
         check_positive_int("max_batch_tokens", self.max_batch_tokens)
         check_positive_int("max_running", self.max_running)
         if self.host_slots is not None:
@@ -94,6 +97,8 @@ class EngineConfig:
             if name == "radix_cache" and self.tiered:
                 raise ValueError("parts['radix_cache'] cannot serve with tiers (host_slots, disk_dir): chapter 8's "
                                  "tree is the package's.")
+        if self.parts:
+            check_contracts(self.parts)
 
     @property
     def tiered(self) -> bool:
@@ -112,3 +117,24 @@ class EngineConfig:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
         base = {} if config is None else {name: getattr(config, name) for name in names}
         return cls(**{**base, **options})
+
+
+def check_contracts(parts: dict) -> None:
+    """TypeError for a part's class that lacks members its contract lists (kvlearn.parts: each
+    contract's methods and properties), naming what is missing; functions ("attention") are only
+    called, so being callable is their whole contract here."""
+    from kvlearn.parts.conformance import SUITES, contract_members   # chapter 6's contracts, read when parts are given
+
+    for name, part in parts.items():
+        if name == "attention" and isinstance(part, type):
+            raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
+                            f"{part.__qualname__}.")
+        if not isinstance(part, type):
+            continue
+        contract = SUITES[name].contract
+        missing = [m for m in contract_members(contract) if not hasattr(part, m)]
+        if missing:
+            raise TypeError(f"parts[{name!r}] ({part.__qualname__}) lacks {', '.join(missing)}: the {name} contract "
+                            f"(kvlearn.parts.{contract.__name__}) lists them; write each one (help(kvlearn.parts."
+                            f"{contract.__name__})), then check the part with kvlearn.parts.check({name!r}, "
+                            f"{part.__qualname__}).")

@@ -22,10 +22,12 @@ import torch
 from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.fast import FastLlama
 from kvlearn.model import chat_ids, eos_token_ids
+from kvlearn.attention import paged_attention
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
+from kvlearn.serving.guard import guard_attention
 from kvlearn.serving.kv_factories import registered_kv
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
@@ -69,7 +71,12 @@ class Engine:
     computes attention its own way (`kvlearn.fast.attention`), so it could not run the learner's.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
-    `generate` while another is inside one gets a RuntimeError.
+    `generate` while another is inside one gets a RuntimeError. After `close()`, `generate`,
+    `add_request`, `step` and `evict_all` raise RuntimeError.
+
+    Parts (`parts={...}`, kvlearn.parts) that are not the package's serve behind guards that check
+    every answer (kvlearn.serving.guard): a wrong one raises `kvlearn.PartError`, the step's
+    requests are aborted, and the engine serves on. The package's own parts are called unguarded.
 
     `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
     requests queued by `add_request` are still running).
@@ -87,8 +94,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path.
         fast = c.fast and "attention" not in c.parts
+        attention = c.parts.get("attention", paged_attention)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
-                                  attention=c.parts.get("attention"))
+                                  attention=None if attention is paged_attention else guard_attention(attention))
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
         self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_running,
                                                                         parts=c.parts)
@@ -96,6 +104,7 @@ class Engine:
                                                              self.eos_token_ids, chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
+        self.closed = False
         self.reset_stats()
 
     @property
@@ -154,6 +163,7 @@ class Engine:
 
     def add_request(self, prompt, max_new_tokens: int = 32) -> Request:
         """Queue one prompt (text or token ids); `step()` runs it."""
+        self._check_open("add_request")
         requests = self._make_requests([prompt], max_new_tokens)
         with self._one_caller():
             self._queue(requests)
@@ -163,6 +173,11 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # --- running ----------------------------------------------------------------------------------
+    def _check_open(self, call: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{call}: this Engine is closed (close(), or the end of its `with` block); build a "
+                               "new Engine to serve again.")
+
     @contextmanager
     def _one_caller(self):
         if not self._busy.acquire(blocking=False):
@@ -175,6 +190,7 @@ class Engine:
 
     def step(self) -> StepReport:
         """One scheduling step and one forward pass; returns what happened."""
+        self._check_open("step")
         with self._one_caller(), self.runner.active():
             return self._step()
 
@@ -200,6 +216,7 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 32, progress: bool = False) -> list[GenerationOutput]:
         """Greedy-generate for every prompt (text or token ids); outputs in prompt order."""
+        self._check_open("generate")
         if not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or token-id lists).")
         # One runner session for the whole call: the attention implementation is switched once, and
@@ -249,12 +266,14 @@ class Engine:
         """End of service: requests still queued or running are aborted (what they computed joins
         the cache), then the KV manager writes down what must outlive the engine (`KVManager.flush`:
         with chapter 8's write_back, the device's and host's KV goes to the disk folder, so a restart
-        finds it). Idempotent; `with Engine(...) as engine:` calls it on the way out."""
+        finds it). Idempotent; `with Engine(...) as engine:` calls it on the way out. Afterwards the
+        engine serves nothing more."""
         with self._one_caller():
             s = self.scheduler
             try:
                 s.abort(list(s.running) + list(s.waiting))
             finally:
+                self.closed = True
                 self.kv.flush()
 
     def __enter__(self) -> "Engine":
@@ -266,5 +285,6 @@ class Engine:
     def evict_all(self) -> int:
         """Drop every cached token no request is using (tokens freed); with nothing running,
         every slot of the pool is free afterwards (`pool.num_free == pool.num_slots`), in every mode."""
+        self._check_open("evict_all")
         with self._one_caller():
             return self.kv.evict_all()

@@ -19,8 +19,10 @@ After a forward, a caching mode may hand the computed head of the row to the cac
 so `prefix_len` grows to the computed length (whole pages; an unaligned tail stays private). When
 the request leaves, its private slots go back to the pool and its hold on the prefix is released.
 
-Invariant (`check`, after every step): free slots + slots held only by the cache (evictable) +
-slots held by running requests (shared ones once) == pool size.
+Invariant (`check`, after every step, `python -O` included): free slots + slots held only by the
+cache (evictable) + slots held by running requests (shared ones once) == pool size. A learner's
+part (kvlearn.parts) that serves here is behind a guard (`kvlearn.serving.guard`); when the
+invariant breaks with one in play, the error names it.
 
 Faults: every mutation either completes or, when one of the calls it makes raises, leaves nothing
 half done that a later call cannot finish: `admit` and `grow` undo what they took, and `release`
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlearn.errors import PartError
 from kvlearn.pool import KVPool, ReqToTokenPool
 from kvlearn.serving.request import Request
 
@@ -113,12 +116,32 @@ class KVManager(ABC):
         at least TIER_STATS (KV moved below the pool and back: none in chapter 6's modes, zeros)."""
         return dict.fromkeys(TIER_STATS, 0)
 
+    def foreign_parts(self) -> list[tuple[str, object]]:
+        """Query: (name, part) of the learner's parts whose answers this manager's counts rest on."""
+        pool = self.pool
+        return [] if pool.page_allocator is pool.allocator else [("allocator", pool.allocator)]
+
     def check(self, running: list[Request]) -> None:
-        """Query: assert slot conservation (free + evictable + in use == pool size)."""
+        """Query: slot conservation (free + evictable + in use == pool size) and one row per running
+        request; a broken one raises (PartError naming the learner's parts in play, else RuntimeError)."""
         free, evictable, used = self.free_slots, self.evictable_slots, self.slots_in_use(running)
-        assert free + evictable + used == self.capacity, (
-            f"slot leak: {free} free + {evictable} evictable + {used} in use != {self.capacity}")
-        assert self.rows.num_free + len(running) == len(self.rows.lengths), "a request row leaked"
+        if free + evictable + used != self.capacity:
+            self.bookkeeping_broke(f"slot leak: {free} free + {evictable} evictable + {used} in use != {self.capacity}")
+        live = len(self.rows.lengths) - self.rows.num_free
+        if live != len(running):
+            raise RuntimeError(f"a request row leaked: {live} rows are live for {len(running)} running requests; the "
+                               "scheduler's running list and the KV manager disagree (a scheduler part that moves "
+                               "requests itself, or a kvlearn bug: please report it).")
+
+    def bookkeeping_broke(self, what: str):
+        """Raise for a broken slot invariant: which parts' bookkeeping it rests on."""
+        parts = self.foreign_parts()
+        if not parts:
+            raise RuntimeError(f"{what}: the package's own bookkeeping broke (no learner's part serves here): "
+                               "this is a kvlearn bug, please report it.")
+        raise PartError(" or ".join(name for name, _ in parts), ", ".join(type(p).__name__ for _, p in parts),
+                        "the step's slot bookkeeping", what, "free slots (the allocator) + slots held only by the "
+                        "cache + slots of running requests (the cache's counts and the rows) make the pool")
 
     # --- mutations -------------------------------------------------------------------------------
     @abstractmethod

@@ -1,10 +1,10 @@
 """Where figures go, and how they are written so that re-running code gives the same files.
 
 Figures go where the user works, never into the installed package: `$KVLEARN_FIGURES` when set,
-else the nearest `figures/` folder in the current directory or above it (the course's figures/,
-whether a notebook runs in notebooks/ or a command at the top of a clone), else the figures/ of the
-clone kvlearn was installed from (a copy of the notebooks elsewhere, e.g. student copies), else
-./figures.
+else the nearest `figures/` folder in the current directory (or the one given) or above it (the
+course's figures/, whether a notebook runs in notebooks/ or student/, or a command at the top of a
+clone), else a new figures/ in that directory. Where kvlearn itself lives plays no part: run from a
+folder outside the clone, `bench` and `demo` never overwrite the clone's committed figures.
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ import os
 from pathlib import Path
 
 
-def figures_dir() -> Path:
-    """The folder figures are written to (see the module docstring); decided at call time."""
+def figures_dir(start: str | os.PathLike | None = None) -> Path:
+    """The folder figures are written to, looked for from `start` (default: the current directory;
+    see the module docstring); decided at call time."""
     named = os.environ.get("KVLEARN_FIGURES", "").strip()
     if named:
         return Path(named).expanduser()
-    here = Path.cwd()
+    here = Path.cwd() if start is None else Path(start).expanduser().absolute()
     for folder in (here, *here.parents):
         if (folder / "figures").is_dir():
             return folder / "figures"
-    clone = Path(__file__).resolve().parents[2]  # kvlearn/viz/plots.py -> the folder holding kvlearn/
-    if (clone / "figures").is_dir() and (clone / "notebooks").is_dir():
-        return clone / "figures"
     return here / "figures"
 
 
