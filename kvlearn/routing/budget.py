@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from kvlearn import pool
+
 GB = 1024 ** 3
 REPLICA_OVERHEAD_BYTES = 16_384   # a simulated replica's Python objects (scheduler, KV manager, tree)
 REQUEST_OVERHEAD_BYTES = 1_024    # a queued request's objects besides its token list (measured about 450)
@@ -31,12 +35,7 @@ def available_bytes() -> tuple[int | None, int | None]:
     address-space limit (ulimit -v) less what the process maps already; None where unknown."""
     import resource
 
-    memory = space = None
-    try:
-        with open("/proc/meminfo") as f:
-            memory = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
-    except (OSError, ValueError, IndexError):
-        pass
+    memory, space = pool.available_bytes(torch.device("cpu")), None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         try:
