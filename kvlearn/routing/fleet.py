@@ -13,7 +13,7 @@ Each replica is chapter 6's scheduler and KV manager, unchanged: a model-free `S
 
 Most steps of a fleet are plain decode steps: each running request gets one token and nothing else
 happens. A `SimReplica` runs a stretch of them (no request waiting, none finishing, room in the
-pool: `Scheduler.decode_stretch`) in one `advance` call, as many scheduler steps would (the same
+pool: `kvlearn.serving.fast_forward`) in one `advance` call, as many scheduler steps would (the same
 slots, evictions, stats);
 the loop still times each step and updates the router's view after each, and an arrival at the
 replica ends the stretch after the step in progress. The result is the step-by-step one
@@ -300,7 +300,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
               keep_outputs: bool = False, progress: bool = False, fast_forward: bool = True) -> FleetResult:
     """Serve `trace` (sorted by arrival) on `replicas` (SimReplica or EngineReplica) routed by `policy`.
 
-    fast_forward: let a SimReplica run a stretch of plain decode steps (`decode_stretch`) as one
+    fast_forward: let a SimReplica run a stretch of plain decode steps (`SimEngine.decode_stretch`) as one
     `advance` call. The loop still times every step and updates the router's view after each, and
     an arrival at the replica ends the stretch after the step in progress, so the result is the
     same as stepping one by one (False does that, for checking)."""
