@@ -11,7 +11,7 @@ It works through the public members of the scheduler and the KV manager, and onl
 what a decode step does:
 - the scheduler is a `SchedulerBase`: the package's `Scheduler`, or a learner's part built on the
   base (one that passes `kvlearn.parts.check` decodes by chapter 6's rules);
-- the KV manager is a `SlotKV` ("none", "radix" and their chapter 7-8 kin), whose decode step
+- the KV manager is a `PoolPagesKV` ("none", "radix" and their chapter 7-8 kin), whose decode step
   only grows: "blocks" publishes each block a decode fills.
 Anywhere else `decode_stretch` is (0, False) and the driver runs one scheduler step at a time.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlearn.serving.kv_manager import SlotKV
+from kvlearn.serving.kv_manager import PoolPagesKV
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import SchedulerBase, StepReport
 
@@ -31,7 +31,7 @@ def decode_stretch(scheduler) -> tuple[int, bool]:
     token to watch for, none reaching max_new_tokens, and the pool has room for them all without a
     preemption), and whether those steps evict cached tokens. (0, False): the next step must go
     through `schedule()`."""
-    if not isinstance(scheduler, SchedulerBase) or not isinstance(scheduler.kv, SlotKV):
+    if not isinstance(scheduler, SchedulerBase) or not isinstance(scheduler.kv, PoolPagesKV):
         return 0, False
     running = scheduler.running
     if scheduler.waiting or not running or scheduler.eos_token_ids:
@@ -47,7 +47,7 @@ def run_decode_stretch(scheduler, steps: int, next_tokens: list) -> None:
     """Mutation: run the scheduler's next `steps` plain decode steps at once (at most what
     `decode_stretch` allows), running request j sampling `next_tokens[j]` (`steps` token ids)."""
     running, kv = scheduler.running, scheduler.kv
-    if not isinstance(scheduler, SchedulerBase) or not isinstance(kv, SlotKV):
+    if not isinstance(scheduler, SchedulerBase) or not isinstance(kv, PoolPagesKV):
         raise ValueError(f"{type(scheduler).__name__} over {type(kv).__name__} runs one step at a time: "
                          "decode_stretch is (0, False) there, call the scheduler's schedule() instead.")
     if steps < 1 or len(next_tokens) != len(running) or any(len(tokens) != steps for tokens in next_tokens):
@@ -73,13 +73,13 @@ def run_decode_stretch(scheduler, steps: int, next_tokens: list) -> None:
 # --- the KV manager's side: rounds of `grow` (round k gives each request, in turn, a slot for its
 # k-th next token), done in a few pool calls
 
-def _round_pages(kv: SlotKV, reqs: list[Request], rounds: int) -> int:
+def _round_pages(kv: PoolPagesKV, reqs: list[Request], rounds: int) -> int:
     """Pages the first `rounds` rounds of `grow` over `reqs` take."""
     p = kv.page_size
     return sum(max(0, -(-(len(r.token_ids) + rounds - 1) // p) - r.kv.num_slots // p) for r in reqs)
 
 
-def _decode_rounds(kv: SlotKV, reqs: list[Request], rounds: int) -> tuple[int, bool]:
+def _decode_rounds(kv: PoolPagesKV, reqs: list[Request], rounds: int) -> tuple[int, bool]:
     """How many of the next `rounds` rounds `_grow_rounds` can run, none of them short of memory
     (free slots and evictable cached slots cover them), and whether they evict cached tokens."""
     room = (kv.pool.num_free + kv.evictable_slots) // kv.page_size
@@ -92,7 +92,7 @@ def _decode_rounds(kv: SlotKV, reqs: list[Request], rounds: int) -> tuple[int, b
     return rounds, _round_pages(kv, reqs, rounds) * kv.page_size > kv.free_slots
 
 
-def _grow_rounds(kv: SlotKV, reqs: list[Request], rounds: int) -> list[int]:
+def _grow_rounds(kv: PoolPagesKV, reqs: list[Request], rounds: int) -> list[int]:
     """What `rounds` rounds of `kv.grow` over `reqs` do, `rounds` at most what `_decode_rounds`
     allows: the same slots in the same order, and the same evictions. Returns the tokens each round
     evicted."""

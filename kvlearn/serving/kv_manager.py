@@ -187,9 +187,9 @@ class KVManager(ABC):
         req.kv = None
 
 
-class SlotKV(KVManager):
-    """The pool-slot behaviour of "none" and "radix": a request takes slots from the pool a page at
-    a time, evicting cached tokens nobody uses when the pool runs short."""
+class PoolPagesKV(KVManager):
+    """"none" and "radix": a request takes its slots from the pool itself, a page at a time, evicting
+    cached tokens nobody uses when the pool runs short ("blocks" takes them through a block manager)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -205,7 +205,7 @@ class SlotKV(KVManager):
             self.evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
+    def _admit_with_prefix(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
         """Admit with `prefix` (slots of the cached head, already protected by the caller)."""
         if not self.rows.num_free:
             return None

@@ -265,12 +265,12 @@ class SchedulerBase:
                 req.status = RequestStatus.ABORTED
             elif req.status == RequestStatus.RUNNING:
                 try:
-                    self._leave(req, RequestStatus.ABORTED)
+                    self._release_and_remove(req, RequestStatus.ABORTED)
                 except BaseException as err:
                     errors.append(err)
                     req.num_computed = 0
                     try:
-                        self._leave(req, RequestStatus.ABORTED)
+                        self._release_and_remove(req, RequestStatus.ABORTED)
                     except BaseException as again:
                         errors.append(again)
         if len(errors) == 1:
@@ -278,7 +278,7 @@ class SchedulerBase:
         if errors:
             raise BaseExceptionGroup(f"aborting {len(requests)} requests: {len(errors)} releases failed", errors)
 
-    def _leave(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
+    def _release_and_remove(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """A running request gives its KV back and leaves `running`."""
         self.kv.release(req)
         self.running.remove(req)
@@ -298,7 +298,7 @@ class SchedulerBase:
             req.token_ids.append(token)
             self.stats["output_tokens"] += 1
             if token in self.eos_token_ids or req.done:
-                self._leave(req)
+                self._release_and_remove(req)
                 finished.append(req)
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)

@@ -17,7 +17,7 @@ from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.pool import KVPool
 from kvlearn.serving import fast_forward
 from kvlearn.serving.cache_modes import default_page_size, make_kv_manager
-from kvlearn.serving.engine import slots_without_sharing, with_rates
+from kvlearn.serving.engine import slots_without_sharing, stats_with_hit_rate
 from kvlearn.serving.kv_manager import KVManager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
@@ -105,4 +105,4 @@ def simulate(workload, cache: str, max_new_tokens: int = 32, num_slots: int | No
     sim = SimEngine(kv, filler=prompts[0][-1], schedule=schedule)  # any token id; never an end of sequence
     for rid, prompt in enumerate(prompts):
         sim.add(Request(rid, prompt, max_new_tokens, page_size))
-    return with_rates(sim.run(), 0.0)
+    return stats_with_hit_rate(sim.run(), 0.0)
