@@ -293,7 +293,7 @@ def test_engine_config_is_checked_once_with_clear_errors():
            (dict(schedule="sjf"), ValueError, "Unknown schedule"),
            (dict(write_policy="later"), ValueError, "Unknown write_policy"),
            (dict(max_batch_tokens=0), ValueError, "max_batch_tokens must be >= 1"),
-           (dict(max_running=True), TypeError, "max_running must be an int"),
+           (dict(max_requests=True), TypeError, "max_requests must be an int"),
            (dict(host_slots=-4), ValueError, "host_slots must be >= 1"),
            (dict(disk_max_bytes=1024), ValueError, "give disk_dir too"),
            (dict(cache="blocks", host_slots=64), ValueError, "need cache='radix'"),

@@ -107,7 +107,7 @@ def _sim_state(sim):
 
 @pytest.mark.parametrize("cache, page_size", [("radix", 1), ("radix", 4), ("none", 1), ("blocks", 4), ("tiered", 1)])
 def test_a_decode_stretch_leaves_what_as_many_steps_leave(cache, page_size):
-    """`SimEngine.advance(n)` (the scheduler's `run_decode_stretch`) against n `step()` calls, on a
+    """`SimEngine.advance(n)` (`fast_forward.run_decode_stretch`) against n `step()` calls, on a
     pool where finished requests' cache must be evicted while the others decode."""
     from kvlearn.serving.simulate import SimEngine
     from kvlearn.tiers.host import host_pool_for

@@ -173,6 +173,31 @@ def test_the_engine_and_the_simulator_take_a_scheduler_part():
     assert runs[0] == runs[1] and runs[0][1]["preemptions"] > 0 and runs[0][1]["cached_tokens"] > 0
 
 
+class Delegating:
+    """A scheduler part not built on `SchedulerBase`: the contract's members, answered by a Scheduler."""
+
+    def __init__(self, kv, **options):
+        self.inner = Scheduler(kv, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_simulator_fast_forwards_a_part_on_the_base_and_steps_any_other():
+    """`SimEngine.run` runs stretches of decodes for a `SchedulerBase` part, one step at a time for
+    another part, with the same result."""
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4], [7, 8]]     # no shared prefix: all admitted at once
+    runs = []
+    for cls in (Scheduler, MyScheduler, Delegating):
+        sim = SimEngine(make_kv_manager("radix", KVPool(1, 1, 1, 96)), filler=3, scheduler_cls=cls)
+        for rid, p in enumerate(prompts):
+            sim.add(Request(rid, p, 30))
+        sim.step()
+        runs.append((sim.decode_stretch(), sim.run()))
+    assert runs[0][0][0] > 20 and runs[1] == runs[0]
+    assert runs[2] == ((0, False), runs[0][1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", ["radix", "blocks"])
 def test_a_scheduler_written_outside_the_package_serves_the_real_model(model, tokenizer, cache):

@@ -56,7 +56,7 @@ def test_every_request_finishes_and_the_counts_add_up(trace, replicas, policy, s
 def _fleet_state(trace, policy, replicas, fast_forward, cache="radix", slots=4096, page_size=None,
                  max_batch_tokens=2048, tm=TM):
     """Everything a fleet run leaves behind: its result and each replica's scheduler and KV state."""
-    fleet = [SimReplica(cache, slots, page_size, max_batch_tokens, max_running=64) for _ in range(replicas)]
+    fleet = [SimReplica(cache, slots, page_size, max_batch_tokens, max_requests=64) for _ in range(replicas)]
     result = run_fleet(trace, make_policy(policy, replicas), fleet, tm, keep_outputs=True, fast_forward=fast_forward)
     state = [(rep.scheduler.stats, rep.scheduler.num_steps, repr(rep.scheduler.report),
               rep.kv.pool.allocator.free_pages, rep.kv.evictable_slots, rep.kv.evicted_tokens) for rep in fleet]

@@ -2,7 +2,9 @@
 
 The engine (and `SimEngine`) builds it as `cls(kv, max_batch_tokens, schedule, eos_token_ids,
 chunked_prefill=...)`, like `kvlearn.serving.scheduler.Scheduler`, and calls only the members of
-`SchedulerPart`. A learner writes `schedule()`: which running requests decode (preempting the
+`SchedulerPart`; the model-free `SimEngine` also runs stretches of plain decode steps at once for a
+part built on `SchedulerBase` (`kvlearn.serving.fast_forward`), and steps any other part one step
+at a time. A learner writes `schedule()`: which running requests decode (preempting the
 newest when the KV manager has no slot; eviction happens inside the KV manager), which prompts
 already started compute their next chunk, and which waiting requests are admitted, in queue order,
 within the token budget (`SchedulerPart` lists the rules in the order the referee applies them).
@@ -74,9 +76,3 @@ class SchedulerPart(Protocol):
 
     def reset_stats(self) -> None:
         """Mutation: zero the counters."""
-
-    def decode_stretch(self) -> tuple[int, bool]:
-        """Query: how many next steps are plain decode steps (model-free simulators run them at once)."""
-
-    def run_decode_stretch(self, steps: int, next_tokens: list) -> None:
-        """Mutation: run that many plain decode steps at once."""

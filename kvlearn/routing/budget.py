@@ -53,16 +53,16 @@ def fewest_available_bytes() -> int | None:
     return min(known) if known else None
 
 
-def fleet_bytes(replicas: int, slots: int, page_size: int, max_running: int,
+def fleet_bytes(replicas: int, slots: int, page_size: int, max_requests: int,
                 max_context: int | None = None) -> tuple[int, int]:
     """What `simulate_fleet` preallocates: (bytes in all, rows of each replica's request table).
     Each replica holds a pool of `slots` (K and V of one float32 number each), its page allocator,
-    and a request table (chapter 4's ReqToTokenPool) of min(max_running, pages) rows x `slots`
+    and a request table (chapter 4's ReqToTokenPool) of min(max_requests, pages) rows x `slots`
     int64 slots, the largest part. The table is allocated empty, so a row costs memory only as far
     as the requests it holds reach: with `max_context` (the trace's longest request, in tokens)
     each row counts min(slots, max_context rounded up to pages)."""
     pages = slots // page_size
-    rows = min(max_running, max(pages, 1))
+    rows = min(max_requests, max(pages, 1))
     width = slots if max_context is None else min(slots, -(-max_context // page_size) * page_size)
     return replicas * (rows * width * 8 + slots * 8 + pages * 9 + REPLICA_OVERHEAD_BYTES), rows
 
@@ -73,14 +73,14 @@ def queued_bytes(trace) -> int:
     return sum((r.num_prompt_tokens + r.max_new_tokens) * TOKEN_BYTES + REQUEST_OVERHEAD_BYTES for r in trace)
 
 
-def check_fleet_memory(replicas: int, slots: int, page_size: int, max_running: int, trace=None) -> None:
+def check_fleet_memory(replicas: int, slots: int, page_size: int, max_requests: int, trace=None) -> None:
     """Refuse, before anything is built, a fleet that would not fit in the memory left: the
     address space takes every request table whole, the memory only as far as the trace's longest
     request reaches; both take the trace's queued requests (`queued_bytes`) on top."""
     max_context = None if trace is None else max(r.num_prompt_tokens + r.max_new_tokens for r in trace)
     queued = 0 if trace is None else queued_bytes(trace)
-    virtual, rows = fleet_bytes(replicas, slots, page_size, max_running)
-    resident, _ = fleet_bytes(replicas, slots, page_size, max_running, max_context)
+    virtual, rows = fleet_bytes(replicas, slots, page_size, max_requests)
+    resident, _ = fleet_bytes(replicas, slots, page_size, max_requests, max_context)
     memory, space = available_bytes()
     for tables, have, what in ((virtual, space, "of address space"), (resident, memory, "of memory")):
         if have is not None and tables + queued > have:

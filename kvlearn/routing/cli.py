@@ -161,7 +161,7 @@ def _run(args) -> int:
     for name, _ in runs:   # every policy's options checked before anything runs (on a policy of one replica)
         make_policy(name, 1, **_policy_options(args, name))
     trace = _trace(args)
-    rows = inspect.signature(simulate_fleet).parameters["max_running"].default  # each replica's, by default
+    rows = inspect.signature(simulate_fleet).parameters["max_requests"].default  # each replica's, by default
     check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
                        trace)
     if not args.json:

@@ -13,7 +13,7 @@ Each replica is chapter 6's scheduler and KV manager, unchanged: a model-free `S
 
 Most steps of a fleet are plain decode steps: each running request gets one token and nothing else
 happens. A `SimReplica` runs a stretch of them (no request waiting, none finishing, room in the
-pool: `Scheduler.decode_stretch`) in one `advance` call, as many scheduler steps would (the same
+pool: `kvlearn.serving.fast_forward`) in one `advance` call, as many scheduler steps would (the same
 slots, evictions, stats);
 the loop still times each step and updates the router's view after each, and an arrival at the
 replica ends the stretch after the step in progress. The result is the step-by-step one
@@ -300,7 +300,7 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
               keep_outputs: bool = False, progress: bool = False, fast_forward: bool = True) -> FleetResult:
     """Serve `trace` (sorted by arrival) on `replicas` (SimReplica or EngineReplica) routed by `policy`.
 
-    fast_forward: let a SimReplica run a stretch of plain decode steps (`decode_stretch`) as one
+    fast_forward: let a SimReplica run a stretch of plain decode steps (`SimEngine.decode_stretch`) as one
     `advance` call. The loop still times every step and updates the router's view after each, and
     an arrival at the replica ends the stretch after the step in progress, so the result is the
     same as stepping one by one (False does that, for checking)."""
@@ -324,11 +324,11 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
 
 def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: str = "radix",
                    slots_per_replica: int = 16384, page_size: int | None = None, time_model: TimeModel | None = None,
-                   max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int = 64,
+                   max_batch_tokens: int = 2048, schedule: str = "fcfs", max_requests: int = 64,
                    progress: bool = False, fast_forward: bool = True, pool_tokens: int = 0,
                    **policy_options) -> FleetResult:
     """Simulate `trace` on `num_replicas` model-free replicas; `policy` is a name or a Policy.
-    page_size: tokens per page of each replica's pool (default: the cache mode's). max_running:
+    page_size: tokens per page of each replica's pool (default: the cache mode's). max_requests:
     requests a replica runs at once (each holds a row of max context length: memory grows with it).
     fast_forward: see `run_fleet` (the same result either way, only faster). pool_tokens > 0: a
     pooled fleet, one shared `PrefixPool` of that many tokens below every replica's radix cache
@@ -354,7 +354,7 @@ def simulate_fleet(trace: list[TraceRequest], policy, num_replicas: int, cache: 
         shared = PrefixPool(pool_tokens, default_page_size(cache) if page_size is None else page_size)
         if not time_model.load_s_per_token:
             time_model = replace(time_model, load_s_per_token=POOL_LOAD_S_PER_TOKEN)
-    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_running, shared)
+    replicas = [SimReplica(cache, slots_per_replica, page_size, max_batch_tokens, schedule, max_requests, shared)
                 for _ in range(num_replicas)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ import torch
 
 from kvlearn.errors import check_int, check_positive_int
 from kvlearn.pool import KVPool
-from kvlearn.serving.cache_modes import RadixKV, RequestTree
+from kvlearn.serving.cache_modes import RadixKV, TrustedKeyRadixCache
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.request import Request
 
@@ -52,7 +52,7 @@ class PrefixPool:
         check_positive_int("page_size", page_size, " (tokens per page)")
         self.capacity_tokens, self.page_size = capacity_tokens, page_size
         self.limit = math.inf if capacity_tokens is None else capacity_tokens // page_size * page_size
-        self.tree = RequestTree(page_size, eviction_policy=eviction_policy)   # keys: requests' token ids
+        self.tree = TrustedKeyRadixCache(page_size, eviction_policy=eviction_policy)   # keys: requests' token ids
         self._values = torch.zeros(0, dtype=torch.int64)   # the tree needs values; nothing reads them
         self.stored_tokens = self.evicted_tokens = 0
 

@@ -28,13 +28,13 @@ class SimReplica(SimEngine):
     pool of bare slots) for one cache mode. Each request generates the answer its trace recorded."""
 
     def __init__(self, cache: str = "radix", num_slots: int = 16384, page_size: int | None = None,
-                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_running: int | None = None,
+                 max_batch_tokens: int = 2048, schedule: str = "fcfs", max_requests: int | None = None,
                  shared: PrefixPool | None = None):
         page_size = default_page_size(cache) if page_size is None else page_size
         pool = KVPool(1, 1, 1, num_slots, page_size=page_size, device="cpu")
-        # max_running: requests that may run at once (rows of the KV manager's request table);
+        # max_requests: requests that may run at once (rows of the KV manager's request table);
         # None keeps the engine's default, which real-engine comparisons need
-        rows = DEFAULT_MAX_REQUESTS if max_running is None else max_running
+        rows = DEFAULT_MAX_REQUESTS if max_requests is None else max_requests
         if shared is None:
             kv = make_kv_manager(cache, pool, rows)
         elif cache == "radix":   # a pooled fleet: this replica's radix cache over the shared pool

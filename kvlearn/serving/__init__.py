@@ -10,6 +10,7 @@ request      one request: a chapter-1 Sequence with a generation budget and a st
 scheduler    continuous batching: which requests run in the next step
 engine       the scheduler, the KV pool (chapter 4) and the model runner (chapter 5) together
 simulate     the scheduler without the model (SimEngine, the one model-free driver of chapters 6-8)
+fast_forward many plain decode steps at once: SimEngine's shortcut, never the engine's path
 prefixes     the common prefix of two prompts, and the distinct prefixes of many (the unique-token floor)
 workloads    traffic patterns from real use, with their unique-token floors
 """

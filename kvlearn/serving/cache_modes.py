@@ -20,7 +20,7 @@ from kvlearn.errors import check_choice
 from kvlearn.pool import KVPool
 from kvlearn.radix import RadixCache
 from kvlearn.serving.guard import BlockManagerGuard, RadixGuard
-from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS, KVManager, SlotKV
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS, KVManager, PoolPagesKV
 from kvlearn.serving.request import Request
 
 CACHE_MODES = ("radix", "blocks", "none")
@@ -33,7 +33,7 @@ def default_page_size(cache: str) -> int:
     return DEFAULT_BLOCK_SIZE if check_choice("cache", cache, CACHE_MODES) == "blocks" else 1
 
 
-class NoCacheKV(SlotKV):
+class NoCacheKV(PoolPagesKV):
     """No prefix cache: nothing is shared, nothing is ever evicted."""
 
     name, caches_prefixes = "none", False
@@ -48,7 +48,7 @@ class NoCacheKV(SlotKV):
         return 0
 
     def admit(self, req: Request) -> int | None:
-        return self._admit_after(req, torch.empty(0, dtype=torch.int64, device=self.pool.device))
+        return self._admit_with_prefix(req, torch.empty(0, dtype=torch.int64, device=self.pool.device))
 
     def after_forward(self, req: Request, prefilled: bool) -> None:
         pass
@@ -63,16 +63,17 @@ class NoCacheKV(SlotKV):
         return 0
 
 
-class RequestTree(RadixCache):
-    """RadixKV's tree. Its keys are requests' token ids, checked once when each `Request` was made
-    (and tokens the sampler appended), so it does not check every id again on each call: on a
-    thousand-token prompt that check costs more than the walk. Any other key is checked as usual."""
+class TrustedKeyRadixCache(RadixCache):
+    """RadixKV's tree, which trusts list keys: they are requests' token ids, checked once when each
+    `Request` was made (and tokens the sampler appended), so it does not check every id again on
+    each call: on a thousand-token prompt that check costs more than the walk. Any other key is
+    checked as usual."""
 
     def as_key(self, key) -> tuple:
         return tuple(key) if type(key) is list else super().as_key(key)
 
 
-class RadixKV(SlotKV):
+class RadixKV(PoolPagesKV):
     """Prefixes live in chapter 3's radix tree, whose values are this pool's slots.
 
     Locks: a running request holds one lock, on the tree node where its borrowed prefix ends; the
@@ -90,8 +91,8 @@ class RadixKV(SlotKV):
 
     def new_tree(self, radix_cache):
         """The tree, built like `RadixCache(page_size=..., evict_callback=..., device=...)`."""
-        return (radix_cache or RequestTree)(page_size=self.pool.page_size, evict_callback=self.pool.free,
-                                            device=self.pool.device)
+        return (radix_cache or TrustedKeyRadixCache)(page_size=self.pool.page_size,
+                                                     evict_callback=self.pool.free, device=self.pool.device)
 
     @property
     def cache(self) -> RadixCache:
@@ -124,7 +125,7 @@ class RadixKV(SlotKV):
         # Lock before allocating, so the eviction that allocation may trigger cannot take the match.
         self.tree.lock(match.last_node)
         try:
-            return self._admit_after(req, match.indices, match.last_node)  # room was checked: not None
+            return self._admit_with_prefix(req, match.indices, match.last_node)  # room was checked: not None
         except BaseException:
             self.tree.unlock(match.last_node)
             raise
@@ -338,7 +339,7 @@ def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_RE
     check_choice("cache", cache, CACHE_MODES)
     if cache == "radix":
         tree = parts.get("radix_cache")
-        if tree in (None, RadixCache, RequestTree):
+        if tree in (None, RadixCache, TrustedKeyRadixCache):
             return RadixKV(pool, max_requests, tree)
         return GuardedRadixKV(pool, max_requests, tree)
     if cache == "blocks":

@@ -32,7 +32,7 @@ class EngineConfig:
     cache: str = "radix"                 # "radix" (chapter 3's tree), "blocks" (chapter 2's hashed blocks) or "none"
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
     page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
-    max_running: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
+    max_requests: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
     parts: dict = field(default_factory=dict)  # learners' classes by part name (kvlearn.parts), built with the same
                                          # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
                                          # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
@@ -69,7 +69,7 @@ class EngineConfig:
         check_bool("plain_text", self.plain_text)
         check_bool("fast", self.fast)
         check_positive_int("max_batch_tokens", self.max_batch_tokens)
-        check_positive_int("max_running", self.max_running)
+        check_positive_int("max_requests", self.max_requests)
         if self.host_slots is not None:
             check_positive_int("host_slots", self.host_slots, " (tokens of KV the host tier holds)")
         if self.disk_max_bytes is not None:

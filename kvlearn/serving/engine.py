@@ -52,7 +52,7 @@ class GenerationOutput:
         return f"GenerationOutput(r{self.request_id}, {len(self.token_ids)} tokens: {shown!r})"
 
 
-def with_rates(counters: dict, wall_time_s: float) -> dict:
+def stats_with_hit_rate(counters: dict, wall_time_s: float) -> dict:
     """Scheduler counters plus hit_rate and wall time (rounded, so they print cleanly)."""
     stats = dict(counters)
     prefill = stats["cached_tokens"] + stats["computed_prefill_tokens"]
@@ -98,7 +98,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
                                   attention=None if attention is paged_attention else guard_attention(attention))
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
-        self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_running,
+        self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_requests,
                                                                         parts=c.parts)
         self.scheduler = c.parts.get("scheduler", Scheduler)(self.kv, c.max_batch_tokens, c.schedule,
                                                              self.eos_token_ids, chunked_prefill=c.chunked_prefill)
@@ -258,7 +258,7 @@ class Engine:
         """The scheduler's counters since the last reset (see `Scheduler`), plus hit_rate =
         cached / (cached + computed) prefill tokens and the wall time spent in `step`, and the tier
         counters (offloaded_tokens, loaded_from_host_tokens, loaded_from_disk_tokens; 0 without tiers)."""
-        stats = with_rates(self.scheduler.stats, self._wall_time)
+        stats = stats_with_hit_rate(self.scheduler.stats, self._wall_time)
         stats.update({k: v - self._counters_start[k] for k, v in self.kv.counters().items()})
         return stats
 

@@ -3,7 +3,7 @@
 The engine asks each registered factory, in order, for its KV manager; the first that returns one
 wins, and with none the engine takes one of its own cache modes (`kvlearn.serving.cache_modes`).
 A factory is `factory(options, pool, model) -> KVManager | None`: `options` is the engine's
-`EngineConfig` (cache, host_slots, disk_dir, write_policy, disk_max_bytes, max_running, ...),
+`EngineConfig` (cache, host_slots, disk_dir, write_policy, disk_max_bytes, max_requests, ...),
 `pool` is its KV pool and `model` its model; it returns None when the options do not ask for its
 kind of manager. `kvlearn/__init__` registers chapter 8's tiers (`kvlearn.tiers.make_tiered_kv`),
 so the engine never imports a later chapter. This module imports nothing: registering is free.

@@ -174,20 +174,6 @@ class KVManager(ABC):
         no request runs); idempotent. Nothing here: a tiered manager (chapter 8) writes what its
         memory tiers hold to its disk tier."""
 
-    # --- many plain decode steps at once (`Scheduler.decode_stretch`) ------------------------------
-    def decode_rounds(self, reqs: list[Request], rounds: int) -> tuple[int, bool]:
-        """Query: how many of the next `rounds` plain decode steps of `reqs` (round k gives each
-        request, in turn, a slot for its k-th next token) `grow_rounds` can run at once, none of
-        them short of memory, and whether they evict cached tokens. (0, False) where a decode step
-        does more than `grow`, as here by default ("blocks" publishes each block a decode fills)."""
-        return 0, False
-
-    def grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
-        """Mutation: what `rounds` rounds of `grow` over `reqs` do, `rounds` at most what
-        `decode_rounds` allows: the same slots in the same order, and the same evictions. Returns
-        the tokens each round evicted."""
-        raise NotImplementedError(f"{type(self).__name__} grows one decode step at a time (decode_rounds is 0)")
-
     # --- shared bookkeeping for subclasses --------------------------------------------------------
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size)
@@ -201,9 +187,9 @@ class KVManager(ABC):
         req.kv = None
 
 
-class SlotKV(KVManager):
-    """The pool-slot behaviour of "none" and "radix": a request takes slots from the pool a page at
-    a time, evicting cached tokens nobody uses when the pool runs short."""
+class PoolPagesKV(KVManager):
+    """"none" and "radix": a request takes its slots from the pool itself, a page at a time, evicting
+    cached tokens nobody uses when the pool runs short ("blocks" takes them through a block manager)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -219,7 +205,7 @@ class SlotKV(KVManager):
             self.evict(n - self.pool.num_free)
         return self.pool.alloc(n)
 
-    def _admit_after(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
+    def _admit_with_prefix(self, req: Request, prefix: torch.Tensor, last_node=None) -> int | None:
         """Admit with `prefix` (slots of the cached head, already protected by the caller)."""
         if not self.rows.num_free:
             return None
@@ -247,80 +233,6 @@ class SlotKV(KVManager):
             raise
         h.num_slots += self.page_size
         return True
-
-    # --- many plain decode steps at once: a decode step here only grows (`after_forward` does
-    # nothing for it), so a run of them is a run of `grow` rounds, done in a few pool calls
-    def _round_pages(self, reqs: list[Request], rounds: int) -> int:
-        """Pages the first `rounds` rounds of `grow` over `reqs` take."""
-        p = self.page_size
-        return sum(max(0, -(-(len(r.token_ids) + rounds - 1) // p) - r.kv.num_slots // p) for r in reqs)
-
-    def decode_rounds(self, reqs: list[Request], rounds: int) -> tuple[int, bool]:
-        # the rounds that free slots and evictable cached slots cover
-        room = (self.pool.num_free + self.evictable_slots) // self.page_size
-        if self._round_pages(reqs, rounds) > room:
-            lo, hi = 0, rounds - 1      # the first lo rounds fit, the first hi + 1 do not
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self._round_pages(reqs, mid) <= room else (lo, mid - 1)
-            rounds = lo
-        return rounds, self._round_pages(reqs, rounds) * self.page_size > self.free_slots
-
-    def grow_rounds(self, reqs: list[Request], rounds: int) -> list[int]:
-        p = self.page_size
-        evicted = [0] * rounds
-        if p == 1 and all(len(req.token_ids) == req.kv.num_slots + 1 for req in reqs) \
-                and self.pool.num_free >= rounds * len(reqs):
-            # the usual case: each request takes one free slot per round, from the first round on
-            slots = self.pool.alloc(rounds * len(reqs)).view(rounds, len(reqs))
-            for j, req in enumerate(reqs):
-                h = req.kv
-                try:
-                    self.rows.write(h.row, h.num_slots, slots[:, j])
-                except BaseException:   # give back the slots no row recorded
-                    self.pool.free(slots[:, j:].reshape(-1))
-                    raise
-                h.num_slots += rounds
-            return evicted
-        # A request takes a page in the first round whose token finds no slot, then every p rounds;
-        # sorting by (round, request) gives the order in which `grow` would take them.
-        takes = sorted((k, j) for j, req in enumerate(reqs)
-                       for k in range(max(0, req.kv.num_slots - len(req.token_ids) + 1), rounds, p))
-        if not takes:
-            return evicted
-        # Take the pages in runs; where `grow` would find no free page, evict as it would, then go on.
-        runs, start, free = [], 0, self.pool.num_free // p
-        try:
-            for t, (k, _) in enumerate(takes):
-                if not free:
-                    if t > start:
-                        runs.append(self.pool.alloc((t - start) * p))
-                        start = t
-                    before = self.evicted_tokens
-                    self.evict(p)
-                    evicted[k] += self.evicted_tokens - before
-                    free = self.pool.num_free // p
-                free -= 1
-            runs.append(self.pool.alloc((len(takes) - start) * p))
-        except BaseException:
-            if runs:
-                self.pool.free(torch.cat(runs))
-            raise
-        pages = (torch.cat(runs) if len(runs) > 1 else runs[0]).view(-1, p)
-        mine: dict[int, list[int]] = {}
-        for page, (_, j) in enumerate(takes):
-            mine.setdefault(j, []).append(page)
-        written: list[int] = []
-        try:
-            for j, taken in mine.items():
-                h = reqs[j].kv
-                self.rows.write(h.row, h.num_slots, pages[taken].reshape(-1))
-                h.num_slots += len(taken) * p
-                written += taken
-        except BaseException:       # give back the pages no row recorded
-            self.pool.free(pages[sorted(set(range(len(takes))) - set(written))].reshape(-1))
-            raise
-        return evicted
 
     def _free_private(self, req: Request) -> None:
         """Give the request's own slots back to the pool and its row back to the table."""

@@ -265,12 +265,12 @@ class SchedulerBase:
                 req.status = RequestStatus.ABORTED
             elif req.status == RequestStatus.RUNNING:
                 try:
-                    self._leave(req, RequestStatus.ABORTED)
+                    self._release_and_remove(req, RequestStatus.ABORTED)
                 except BaseException as err:
                     errors.append(err)
                     req.num_computed = 0
                     try:
-                        self._leave(req, RequestStatus.ABORTED)
+                        self._release_and_remove(req, RequestStatus.ABORTED)
                     except BaseException as again:
                         errors.append(again)
         if len(errors) == 1:
@@ -278,53 +278,11 @@ class SchedulerBase:
         if errors:
             raise BaseExceptionGroup(f"aborting {len(requests)} requests: {len(errors)} releases failed", errors)
 
-    def _leave(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
+    def _release_and_remove(self, req: Request, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """A running request gives its KV back and leaves `running`."""
         self.kv.release(req)
         self.running.remove(req)
         req.status = status
-
-    # --- many plain decode steps at once (the model-free simulators' shortcut) ---------------------
-    def decode_stretch(self) -> tuple[int, bool]:
-        """Query: how many of the next steps are plain decode steps, which only a new request (`add`)
-        could change: no request waits, every running one decodes and none finishes (no
-        end-of-sequence token to watch for, none reaching max_new_tokens), and the KV manager can
-        grow them all for that many steps at once without preempting (`KVManager.decode_rounds`).
-        Also whether those steps evict cached tokens. (0, False): the next step must go through
-        `schedule()`. Plain decode steps follow chapter 6's rules (`Scheduler.schedule`), which a
-        scheduler part that passes `kvlearn.parts.check` follows too."""
-        running = self.running
-        if self.waiting or not running or self.eos_token_ids:
-            return 0, False
-        if any(req.prefilling or req.num_computed != len(req.token_ids) - 1 for req in running):
-            return 0, False    # a prompt still in chunks (even with one token left) is not decoding
-        # the step that brings a request to max_new_tokens finishes it: stop one before the first
-        steps = min(req.max_new_tokens - (len(req.token_ids) - req.num_prompt_tokens) for req in running) - 1
-        return self.kv.decode_rounds(running, steps) if steps > 0 else (0, False)
-
-    def run_decode_stretch(self, steps: int, next_tokens: list) -> None:
-        """Mutation: run the next `steps` plain decode steps at once (at most what `decode_stretch`
-        allows), running request j sampling `next_tokens[j]` (`steps` token ids). Invariant: the
-        same outcome as `steps` rounds of `schedule()` and `postprocess()` with those tokens: the
-        same tokens, slots, evictions, `num_steps`, `stats` and last `report`."""
-        running, kv = self.running, self.kv
-        if steps < 1 or len(next_tokens) != len(running) or any(len(tokens) != steps for tokens in next_tokens):
-            raise ValueError(f"A stretch of {steps} steps needs at least one step, and {steps} tokens for each "
-                             f"of the {len(running)} running requests.")
-        evicted = kv.grow_rounds(running, steps)
-        for req, tokens in zip(running, next_tokens):
-            req.token_ids.extend(tokens)
-            req.num_computed = len(req.token_ids) - 1
-        self.num_steps += steps
-        stats = self.stats
-        stats["steps"] += steps
-        stats["output_tokens"] += steps * len(running)
-        stats["evicted_tokens"] += sum(evicted)
-        used = kv.slots_in_use(running)   # decode steps only add slots: the last step's count is the peak
-        stats["peak_slots"] = max(stats["peak_slots"], used)
-        self.report = StepReport(self.num_steps, decodes=[req.rid for req in running], evicted_tokens=evicted[-1],
-                                 used_slots=used, evictable_slots=kv.evictable_slots, free_slots=kv.free_slots)
-        kv.check(running)
 
     # --- after the forward ----------------------------------------------------------------------
     def postprocess(self, batch: Batch, next_tokens: list[int]) -> list[Request]:
@@ -340,7 +298,7 @@ class SchedulerBase:
             req.token_ids.append(token)
             self.stats["output_tokens"] += 1
             if token in self.eos_token_ids or req.done:
-                self._leave(req)
+                self._release_and_remove(req)
                 finished.append(req)
         self.report.finished = [r.rid for r in finished]
         self.kv.check(self.running)

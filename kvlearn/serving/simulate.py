@@ -8,15 +8,16 @@ answer it was given (none, by default), then the same filler token, and none sto
 `SimEngine` is that driver, the one every model-free run uses (`simulate` here, chapter 8's
 `simulate_tiers`, chapter 7's `SimReplica`): `step()` is one scheduler step, as `Engine.step`
 without the forward; `advance(steps)` runs a stretch of plain decode steps in one call
-(`Scheduler.decode_stretch`), with the outcome of as many `step()` calls.
+(`kvlearn.serving.fast_forward`), with the outcome of as many `step()` calls.
 """
 
 from __future__ import annotations
 
 from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.pool import KVPool
+from kvlearn.serving import fast_forward
 from kvlearn.serving.cache_modes import default_page_size, make_kv_manager
-from kvlearn.serving.engine import slots_without_sharing, with_rates
+from kvlearn.serving.engine import slots_without_sharing, stats_with_hit_rate
 from kvlearn.serving.kv_manager import KVManager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
@@ -65,9 +66,9 @@ class SimEngine:
         return [req for req, n in zip(batch.requests, before) if len(req.token_ids) > n]
 
     def decode_stretch(self) -> tuple[int, bool]:
-        """How many of the next steps `advance` can run at once, and whether they evict (see
-        `Scheduler.decode_stretch`)."""
-        return self.scheduler.decode_stretch()
+        """How many of the next steps `advance` can run at once, and whether they evict
+        (`fast_forward.decode_stretch`: (0, False) for a scheduler not built on `SchedulerBase`)."""
+        return fast_forward.decode_stretch(self.scheduler)
 
     def advance(self, steps: int) -> None:
         """Run the next `steps` plain decode steps at once (at most `decode_stretch()`'s), with the
@@ -77,12 +78,12 @@ class SimEngine:
             k = len(req.token_ids) - req.num_prompt_tokens
             answer = self.answers.get(req.rid, ())[k:k + steps]
             tokens.append(answer + (self.filler,) * (steps - len(answer)))
-        self.scheduler.run_decode_stretch(steps, tokens)
+        fast_forward.run_decode_stretch(self.scheduler, steps, tokens)
 
     def run(self) -> dict:
         """Serve every request added so far to the end; returns the scheduler's stats."""
         while self.scheduler.has_unfinished():
-            steps, _ = self.scheduler.decode_stretch()
+            steps, _ = self.decode_stretch()
             if steps:
                 self.advance(steps)
             else:
@@ -104,4 +105,4 @@ def simulate(workload, cache: str, max_new_tokens: int = 32, num_slots: int | No
     sim = SimEngine(kv, filler=prompts[0][-1], schedule=schedule)  # any token id; never an end of sequence
     for rid, prompt in enumerate(prompts):
         sim.add(Request(rid, prompt, max_new_tokens, page_size))
-    return with_rates(sim.run(), 0.0)
+    return stats_with_hit_rate(sim.run(), 0.0)

@@ -101,7 +101,7 @@ def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
     """The tiered radix mode for an engine whose options ask for a host pool (`host_slots`) or a disk
     folder (`disk_dir`), else None; chapter 6 checked the plain options (`write_policy`, radix only,
     sizes). options: the engine's (cache, host_slots, disk_dir, write_policy, disk_max_bytes,
-    max_running). disk_max_bytes: the disk tier's capacity (least recently used pages go first),
+    max_requests). disk_max_bytes: the disk tier's capacity (least recently used pages go first),
     None: no limit."""
     if options.host_slots is None and options.disk_dir is None:
         return None
@@ -111,4 +111,4 @@ def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
         disk = DiskStore(options.disk_dir, model_identity(model), pool.dtype,
                          (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=options.disk_max_bytes)
     host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
-    return TieredRadixKV(pool, options.max_running, host, disk, options.write_policy)
+    return TieredRadixKV(pool, options.max_requests, host, disk, options.write_policy)

@@ -8,7 +8,7 @@ number per slot. Prefill counts and tier traffic are those of a real run with th
 from __future__ import annotations
 
 from kvlearn.pool import KVPool
-from kvlearn.serving.engine import with_rates
+from kvlearn.serving.engine import stats_with_hit_rate
 from kvlearn.serving.request import Request
 from kvlearn.serving.simulate import SimEngine
 from kvlearn.tiers.host import host_pool_for
@@ -30,4 +30,4 @@ def simulate_tiers(rounds, num_slots: int, host_slots: int | None = None, write_
         if prompts:
             sim.filler = prompts[-1][-1]   # a token of the round's last prompt: never an end of sequence
             sim.run()
-    return with_rates(sim.stats, 0.0) | kv.counters()
+    return stats_with_hit_rate(sim.stats, 0.0) | kv.counters()
