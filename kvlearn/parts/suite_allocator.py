@@ -1,7 +1,8 @@
 """The conformance suite of the `allocator` part (chapter 4), judged by an ordered free list.
 
-A program is a page count and random operations: alloc (some that fit, some one page too many),
-free of part or all of an earlier alloc (in a random order), a double free (a page already free,
+A program is a page count (now and then more than 256, so that a free call gives back more than 256
+pages) and random operations: alloc (some that fit, often all; some one page too many), free of
+part or, often, all of an earlier alloc (in a random order), a double free (a page already free,
 alone or next to one that is held), a free that lists a held page twice, and a free of a page
 outside 0 .. num_pages - 1. After every call the part's free pages must be the reference's, in
 the reference's order: a stack, so a fresh allocator hands out 0, 1, 2, ..., `alloc(n)` takes the
@@ -39,7 +40,7 @@ HINTS = {
 
 
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
-    setup = {"num_pages": rng.randint(1, 12)}
+    setup = {"num_pages": rng.randint(257, 300) if rng.random() < 0.05 else rng.randint(1, 12)}
     kinds = ["alloc", "alloc", "free", "free", "too_many", "double_free", "repeat", "out_of_range"]
     ops = [(rng.choice(kinds), rng.randrange(1 << 16))
            for _ in range(rng.randint(1, 25))]
@@ -62,7 +63,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         busy = [p for h in held for p in h]
         order_hint = HINTS["state"]   # a refused call changes nothing, order included
         if op == "alloc" and free:
-            n = rng.randint(0, len(free))
+            n = rng.choice([len(free), rng.randint(0, len(free))])
             got = ints(f"alloc({n})", trace.call(f"allocator.alloc({n})", allocator.alloc, n))
             trace.answer(str(got))
             same(f"alloc({n}) with free_pages {free}", free[:n], got, HINTS["alloc"])
@@ -74,7 +75,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                           hint=HINTS["capacity"])
         elif op == "free" and busy:
             pages = rng.choice([h for h in held if h])
-            give = rng.sample(pages, rng.randint(1, len(pages)))
+            give = rng.sample(pages, rng.choice([len(pages), rng.randint(1, len(pages))]))
             trace.call(f"allocator.free(torch.tensor({give}))", allocator.free, torch.tensor(give))
             for p in give:
                 pages.remove(p)
