@@ -87,12 +87,13 @@ class BlockManagerPart(BlockTablePart, Protocol):
     block is published (findable by its chained hash, `self.hash_fn(parent_hash, token_ids)`, the
     constructor's `hash_fn`) only by `hash_blocks`, once its KV is computed, and one copy per hash;
     a new sequence shares its longest published prefix, never its last token, and a block whose
-    hash matches but whose tokens differ is a collision, a miss (the collision guard); a block's `ref_count` is the number of live block tables that hold it. A deallocated
-    block nobody holds stays cached if it is the published copy of its prefix (`deallocate` walks
-    the table from its last block, so the head of a prefix is evicted last); the others go back to
-    the allocator in table order. `allocate` counts each sequence in `stats` (queries,
-    query_tokens, hit_blocks, hit_tokens); queries count nothing. A call that cannot be served
-    raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated twice or never
+    hash matches but whose tokens differ is a collision, a miss (the collision guard); a block's
+    `ref_count` is the number of live block tables that hold it. A deallocated block nobody holds
+    stays cached if it is the published copy of its prefix (`deallocate` walks the table from its
+    last block, so the head of a prefix is evicted last); the others go back to the allocator in
+    table order. `allocate` counts each sequence in `stats` (queries, query_tokens, hit_blocks,
+    hit_tokens); queries count nothing. A call that cannot be served raises
+    `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated twice or never
     allocated) and changes nothing.
     """
 
