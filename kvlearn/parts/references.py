@@ -185,16 +185,19 @@ class BlockReference:
             h = self.hash_fn(h, list(prefix[j:j + self.bs]))
         return h
 
-    def hit(self, tokens: list[int], guard: bool = True) -> list[int]:
-        """Blocks of the longest published prefix of `tokens`, never its last token (without the
-        collision guard when not `guard`: a published key is a hit whatever its block's tokens)."""
+    def hit(self, tokens: list[int], guard: bool = True, last_copy: bool = False) -> list[int]:
+        """Blocks of the longest published prefix of `tokens`, never its last token. What a wrong
+        part finds, for hints: without the collision guard when not `guard` (a published key is a
+        hit whatever its block's tokens); with `last_copy`, as if each key's last hashed copy were
+        the published one."""
         if not self.caching:
             return []
-        findable = {self.key(prefix): b for b, prefix in self.held.items()}
+        published = self.hashed if last_copy else self.held
+        findable = {self.key(prefix): b for b, prefix in published.items()}   # a later copy overrides
         hit = []
         for j in range((len(tokens) - 1) // self.bs):
             b = findable.get(self.key(tokens[:(j + 1) * self.bs]))
-            if b is None or (guard and self.held[b][-self.bs:] != tuple(tokens[j * self.bs:(j + 1) * self.bs])):
+            if b is None or (guard and published[b][-self.bs:] != tuple(tokens[j * self.bs:(j + 1) * self.bs])):
                 break
             hit.append(b)
         return hit

@@ -157,9 +157,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             if caching:
                 got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
                 trace.answer(str(got))
-                guardless = len(ref.hit(tokens, guard=False)) * bs   # what a lookup without the guard finds
-                same(f"m.num_cached_prefix({name})", len(hit) * bs, got,
-                     hints["collision" if got == guardless != len(hit) * bs else "hit"])
+                wrong = {"collision": ref.hit(tokens, guard=False), "duplicate": ref.hit(tokens, last_copy=True)}
+                rule = next((k for k, found in wrong.items() if got == len(found) * bs != len(hit) * bs), "hit")
+                same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints[rule])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
             same(f"m.can_allocate({name})", fits, got, hints["capacity"])
