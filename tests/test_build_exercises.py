@@ -171,7 +171,7 @@ def chapter_2_wrong_turns(solution):
             return taken
 
     return [(NoFullHit, "m.num_cached_prefix(s2): expected 0"), (HitsAreFree, "m.can_allocate(s4): expected False"),
-            (NewBlocksFirst, "which are in use"), (PublishesAtAllocate, "the allocator's free pages"),
+            (NewBlocksFirst, "which are in use"), (PublishesAtAllocate, "m.hash_blocks(s1, 7): expected 2, got 0"),
             (MostRecentlyFreed, "which was freed earlier")]
 
 

@@ -7,6 +7,7 @@ Mutants the suites once missed must now fail, with the hint of the rule they bre
 """
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -95,6 +96,44 @@ def test_is_between_lengths_fails_on_a_key_of_more_than_256_tokens(solutions):
              "after": "if present is not len(key):"}
     report = check("radix_cache", load_part("radix_cache", apply_listed(solutions["radix_cache"], entry)))
     assert not report.passed and "cache.insert(" in report.message
+
+
+GUARD = "if block_id is None or self.blocks[block_id].token_ids != tokens:  # a miss, or a collision"
+FREE_CHECK = "if self.free_flag[pages].any() or pages.unique().numel() != pages.numel():"
+SURVIVED_BEFORE = [   # (part, line, mutated line, the hint that must name the broken rule, or None: a refused call)
+    ("block_manager", GUARD, GUARD.replace("!=", "is"), "collision"),   # needs a hash collision
+    ("block_manager", GUARD, GUARD.replace("!=", "<"), "collision"),
+    ("block_manager", "new += 1", "new += 2", "count"),                   # hash_blocks' answer
+    ("block_manager", "return new", "return 0", "count"),
+    ("allocator", FREE_CHECK, FREE_CHECK.replace("!=", "is not"), None),  # wrong only for > 256 pages at once
+]
+
+
+@pytest.mark.parametrize("part, before, after, rule", SURVIVED_BEFORE)
+def test_mutants_the_suites_once_missed_fail_naming_the_rule(part, before, after, rule, solutions):
+    from kvlearn.parts.conformance import SUITES
+
+    entry = {"operator": "(by hand)", "before": before, "after": after}
+    report = check(part, load_part(part, apply_listed(solutions[part], entry)))
+    assert not report.passed
+    hint = report.message.splitlines()[-1]
+    if rule is None:
+        assert "It raised ValueError" in report.message and "allocator.free(" in report.message
+    else:
+        assert mutants.rule_of(part, hint) == rule and hint.startswith(f"Hint: {SUITES[part].module.HINTS[rule]}")
+
+
+def test_the_hint_tally_names_each_killed_mutants_rule():
+    from kvlearn.parts.suite_allocator import HINTS
+
+    assert mutants.rule_of("allocator", f"Hint: {HINTS['order']}") == "order"
+    assert mutants.rule_of("allocator", f"Hint: {HINTS['order']} (a note after it)") == "order"
+    assert mutants.rule_of("allocator", "Hint: something no suite says") == "(other hint)"
+    assert mutants.rule_of("allocator", None) == "(no hint)"
+    results = [mutants.PartResult("allocator", 5, 4, 1, [], [], 1.0, False, Counter(order=3, repeat=1)),
+               mutants.PartResult("block_table", 2, 2, 0, [], [], 1.0, False, Counter(order=2))]
+    assert mutants.hint_tally(results, 1).splitlines()[1:] == [
+        "  allocator (4 killed): order 3", "  block_table (2 killed): order 2", "  all parts: allocator: order 3"]
 
 
 def test_evicting_part_of_a_leaf_breaks_the_whole_leaf_rule():

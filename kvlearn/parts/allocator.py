@@ -45,5 +45,5 @@ class AllocatorPart(Protocol):
         """Mutation: take `n` free pages; a 1-D int64 tensor of their ids."""
 
     def free(self, pages: torch.Tensor) -> None:
-        """Mutation: give back distinct pages (a 1-D int64 tensor) that `alloc` handed out;
-        `pages[0]` is handed out first next time."""
+        """Mutation: give back distinct pages (a 1-D int64 tensor, any number of them) that `alloc`
+        handed out; `pages[0]` is handed out first next time."""

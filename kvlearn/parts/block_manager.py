@@ -8,8 +8,9 @@ engine uses it: chapter 1 checks it and draws its tables, and chapter 2's part m
 `block_manager`: block tables with hashed, shared prefix blocks. The engine's blocks mode builds it
 as `cls(num_blocks, block_size, enable_prefix_caching=True, allocator=pool.allocator)`, like
 `kvlearn.BlockManager`, and calls only the members of `BlockManagerPart`; pictures also read
-`blocks`, `is_cached` and `free_block_ids`. A learner adds the hash-chain lookup, hash_blocks and
-least-recently-freed reuse.
+`blocks`, `is_cached` and `free_block_ids`. The checker also builds it with `hash_fn=` a chained
+hash that collides on purpose (`BlockManagerBase`'s constructor takes it as `self.hash_fn`). A
+learner adds the hash-chain lookup, hash_blocks and least-recently-freed reuse.
 
 `BlockManagerBase` (kvlearn/blocks_base.py, re-exported here; `kvlearn.BlockManager` inherits it too)
 holds the rest for both.
@@ -83,14 +84,16 @@ class BlockManagerPart(BlockTablePart, Protocol):
 
     Rules (the chapters'): new blocks are the allocator's free pages first, then cached blocks
     nobody uses, least recently freed first (whatever such a block cached is forgotten); a full
-    block is published (findable by its chained hash) only by `hash_blocks`, once its KV is computed,
-    and one copy per prefix; a new sequence shares its longest published prefix, never its last
-    token; a block's `ref_count` is the number of live block tables that hold it. A deallocated
-    block nobody holds stays cached if it is the published copy of its prefix (`deallocate` walks
-    the table from its last block, so the head of a prefix is evicted last); the others go back to
-    the allocator in table order. `allocate` counts each sequence in `stats` (queries,
-    query_tokens, hit_blocks, hit_tokens); queries count nothing. A call that cannot be served
-    raises `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated twice or never
+    block is published (findable by its chained hash, `self.hash_fn(parent_hash, token_ids)`, the
+    constructor's `hash_fn`) only by `hash_blocks`, once its KV is computed, and one copy per hash;
+    a new sequence shares its longest published prefix, never its last token, and a block whose
+    hash matches but whose tokens differ is a collision, a miss (the collision guard); a block's
+    `ref_count` is the number of live block tables that hold it. A deallocated block nobody holds
+    stays cached if it is the published copy of its prefix (`deallocate` walks the table from its
+    last block, so the head of a prefix is evicted last); the others go back to the allocator in
+    table order. `allocate` counts each sequence in `stats` (queries, query_tokens, hit_blocks,
+    hit_tokens); queries count nothing. A call that cannot be served raises
+    `kvlearn.KVCapacityError` (no room) or ValueError (a sequence deallocated twice or never
     allocated) and changes nothing.
     """
 

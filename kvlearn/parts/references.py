@@ -150,10 +150,14 @@ class BlockReference:
     prefix is reused last) and gives the others back to the allocator in table order, the first
     handed out first next time (the allocator is a stack). A mutation that breaks a rule says which:
     a (rule, what happened) pair, the rule a key of the suites' hints.
+
+    With `hash_fn` (the part's `hash_fn(parent_hash, token_ids)`, one that collides), a prefix is
+    published under its chained hash, not its tokens: two prefixes with one hash have one published
+    copy, and a hit needs the block's own tokens to equal the sequence's too (the collision guard).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = True):
-        self.num_blocks, self.bs, self.caching = num_blocks, block_size, caching
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, hash_fn=None):
+        self.num_blocks, self.bs, self.caching, self.hash_fn = num_blocks, block_size, caching, hash_fn
         self.free = list(range(num_blocks))  # the allocator's free pages, the next one handed out first
         self.cached: dict[int, int] = {}     # cached block nobody uses -> when it was freed; reuse order
         self.held: dict[int, tuple] = {}     # published block -> the token prefix its KV completes
@@ -172,15 +176,28 @@ class BlockReference:
     def num_free(self) -> int:
         return len(self.free) + len(self.cached)
 
-    def hit(self, tokens: list[int]) -> list[int]:
-        """Blocks of the longest published prefix of `tokens`, never its last token."""
+    def key(self, prefix) -> tuple | int:
+        """What a block-aligned prefix is published under: its tokens, or with `hash_fn` its chained hash."""
+        if self.hash_fn is None:
+            return tuple(prefix)
+        h = None
+        for j in range(0, len(prefix), self.bs):
+            h = self.hash_fn(h, list(prefix[j:j + self.bs]))
+        return h
+
+    def hit(self, tokens: list[int], guard: bool = True, last_copy: bool = False) -> list[int]:
+        """Blocks of the longest published prefix of `tokens`, never its last token. What a wrong
+        part finds, for hints: without the collision guard when not `guard` (a published key is a
+        hit whatever its block's tokens); with `last_copy`, as if each key's last hashed copy were
+        the published one."""
         if not self.caching:
             return []
-        findable = {prefix: b for b, prefix in self.held.items()}
+        published = self.hashed if last_copy else self.held
+        findable = {self.key(prefix): b for b, prefix in published.items()}   # a later copy overrides
         hit = []
         for j in range((len(tokens) - 1) // self.bs):
-            b = findable.get(tuple(tokens[:(j + 1) * self.bs]))
-            if b is None:
+            b = findable.get(self.key(tokens[:(j + 1) * self.bs]))
+            if b is None or (guard and published[b][-self.bs:] != tuple(tokens[j * self.bs:(j + 1) * self.bs])):
                 break
             hit.append(b)
         return hit
@@ -190,8 +207,12 @@ class BlockReference:
         return -(-num_tokens // self.bs) - sum(refs[b] > 0 for b in hit)
 
     def has_copy(self, b: int) -> bool:
-        """Whether another hashed block completes the same prefix as block `b`."""
-        return b in self.hashed and sum(prefix == self.hashed[b] for prefix in self.hashed.values()) > 1
+        """Whether another hashed block is published under the same key as block `b`."""
+        return b in self.hashed and sum(self.same_key(b, other) for other in self.hashed) > 1
+
+    def same_key(self, a: int, b: int) -> bool:
+        """Whether hashed blocks `a` and `b` are published under one key (one is a copy of the other)."""
+        return a in self.hashed and b in self.hashed and self.key(self.hashed[a]) == self.key(self.hashed[b])
 
     # --- mutations -------------------------------------------------------------------------------
     def take(self, new: list[int]) -> tuple[str, str] | None:
@@ -254,7 +275,7 @@ class BlockReference:
             b = table[j]
             if b not in self.hashed:
                 prefix = tuple(tokens[:(j + 1) * self.bs])
-                if prefix not in self.held.values():
+                if self.key(prefix) not in {self.key(p) for p in self.held.values()}:
                     self.held[b] = prefix
                 self.hashed[b] = prefix
                 new += 1

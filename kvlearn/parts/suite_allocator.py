@@ -1,7 +1,8 @@
 """The conformance suite of the `allocator` part (chapter 4), judged by an ordered free list.
 
-A program is a page count and random operations: alloc (some that fit, some one page too many),
-free of part or all of an earlier alloc (in a random order), a double free (a page already free,
+A program is a page count (one in 20 has more than 256, and there allocs and frees are often whole,
+so that a free call gives back more than 256 pages) and random operations: alloc (some that fit,
+some one page too many), free of part or all of an earlier alloc (in a random order), a double free (a page already free,
 alone or next to one that is held), a free that lists a held page twice, and a free of a page
 outside 0 .. num_pages - 1. After every call the part's free pages must be the reference's, in
 the reference's order: a stack, so a fresh allocator hands out 0, 1, 2, ..., `alloc(n)` takes the
@@ -48,6 +49,8 @@ def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
     kinds = ["alloc", "alloc", "free", "free", "too_many", "double_free", "repeat", "out_of_range"]
     ops = [(rng.choice(kinds), rng.randrange(1 << 16))
            for _ in range(rng.randint(1, 25))]
+    if ops[0][1] % 20 == 0:   # one program in 20 has more than 256 pages (decided by a number drawn already,
+        setup["num_pages"] += 256   # so that the other programs are the ones drawn before these came in)
     return setup, ops
 
 
@@ -58,6 +61,7 @@ def build(impl, setup: dict, trace: Trace):
 
 def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     n_pages = setup["num_pages"]
+    big = n_pages > 256   # then allocs and frees are often whole, so that one free gives back > 256 pages
     allocator = build(impl, setup, trace)
     free = list(range(n_pages))   # the reference: free pages, the next one handed out first
     held: list[list[int]] = []   # what each alloc handed out, less what was freed since
@@ -67,7 +71,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         busy = [p for h in held for p in h]
         order_hint = HINTS["state"]   # a refused call changes nothing, order included
         if op == "alloc" and free:
-            n = rng.randint(0, len(free))
+            n = len(free) if big and rng.random() < 0.5 else rng.randint(0, len(free))
             got = ints(f"alloc({n})", trace.call(f"allocator.alloc({n})", allocator.alloc, n))
             trace.answer(str(got))
             same(f"alloc({n}) with free_pages {free}", free[:n], got, HINTS["alloc"])
@@ -79,7 +83,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                           hint=HINTS["capacity"])
         elif op == "free" and busy:
             pages = rng.choice([h for h in held if h])
-            give = rng.sample(pages, rng.randint(1, len(pages)))
+            give = rng.sample(pages, len(pages) if big and rng.random() < 0.5 else rng.randint(1, len(pages)))
             trace.call(f"allocator.free(torch.tensor({give}))", allocator.free, torch.tensor(give))
             for p in give:
                 pages.remove(p)

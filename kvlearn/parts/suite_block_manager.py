@@ -6,7 +6,9 @@ blocks): allocate (often a prompt that extends an earlier one), compute (`hash_b
 token), append a token (and may_append, or preempt when there is no room), deallocate, misuse of a
 deallocated sequence, `slot_mapping`, `evict_cached`. After every call the part's blocks, counts
 (the prefix-cache counters in `stats` too), tables and free blocks must be the reference's, the
-free blocks in the order they will be handed out.
+free blocks in the order they will be handed out; `hash_blocks` must return how many blocks it hashed.
+About one program in three builds the part with `hash_fn=colliding_hash`, a chained hash that
+collides on purpose, so that the collision guard is tested (the reference publishes by that hash).
 
 With `caching=False` (chapter 1's `block_table` suite, `suite_block_table`) the part is built with
 `enable_prefix_caching=False`, judged by the reference with prefix caching off, and asked only what
@@ -30,6 +32,10 @@ CONTRACT = BlockManagerPart
 PACKAGE_PART = BlockManager
 
 HINTS = {
+    "collision": "a hit needs the block's own tokens to equal the sequence's block: equal hashes with other "
+                 "tokens are a collision, a miss that ends the walk (chapter 2, section 8: the collision guard, "
+                 "self.blocks[block_id].token_ids != tokens). This program builds the part with "
+                 "hash_fn=colliding_hash, which collides on purpose.",
     "hit": "allocate walks the sequence's full blocks, chaining each block's hash with the one before it, and "
            "shares every published block it finds, up to the first miss; never the block that holds the last "
            "token (the full-hit rule: at most (num_tokens - 1) // block_size blocks). num_cached_prefix and "
@@ -58,6 +64,8 @@ HINTS = {
                "(never allocate): each block without a hash gets its chained hash (block i - 1's hash with its "
                "tokens) and its token_ids, and hash_to_block_id gets that hash unless it already points at another "
                "block (one copy per prefix). A copy keeps its hash all the same, so it is never hashed again.",
+    "count": "hash_blocks returns how many blocks got a hash in this call: the full blocks among the first n tokens "
+             "that had none before (published or copies; a hit or a block hashed earlier counts nothing).",
     "stats": "allocate counts each sequence it gives a table in stats (self.count_hits(seq), once "
              "seq.num_cached_tokens is set): queries + 1, query_tokens + its tokens, hit_blocks + its hits, "
              "hit_tokens + its cached tokens; a refused allocate, num_cached_prefix and can_allocate count nothing.",
@@ -88,18 +96,41 @@ def generate(rng: random.Random, caching: bool = True) -> tuple[dict, list[tuple
         if caching and ops[-1][0] == "allocate" and rng.random() < 0.7:
             # often a prompt is computed at once, so later prompts hit it while the pool runs dry
             ops.append(("compute", rng.randrange(1 << 30)))
+    # One program in three hashes with colliding_hash; decided by a number drawn already, so that the
+    # other programs are the ones drawn before the collision programs came in.
+    setup["colliding_hash"] = caching and ops[0][1] % 3 == 0
     return setup, ops
+
+
+def colliding_hash(parent_hash: int | None, token_ids: list[int]) -> int:
+    """A chained hash that collides on purpose: a block's hash is 3 * its parent's hash (0 for none)
+    + 1 + the parity of its tokens' sum, so blocks after one parent whose sums have one parity
+    collide ([0, 1] and [1, 0], [0] and [2]); blocks after different parents never do."""
+    return 3 * (parent_hash or 0) + 1 + sum(token_ids) % 2
+
+
+# Said in a program built with colliding_hash, after the hints of the rules a hash decides.
+COLLIDING = (" (This program builds the part with hash_fn=colliding_hash, which collides on purpose: hash with "
+             "self.hash_fn, the part's own, and publish by that hash.)")
 
 
 def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True, hints: dict = HINTS) -> None:
     """Run one program on a fresh part; `Broken` (with one of `hints`) at the first call the
     reference disagrees with."""
     bs, n_blocks = setup["block_size"], setup["num_blocks"]
-    ref = BlockReference(n_blocks, bs, caching)
+    colliding = setup.get("colliding_hash", False)
+    ref = BlockReference(n_blocks, bs, caching, hash_fn=colliding_hash if colliding else None)
     allocator = PageAllocator(n_blocks, device="cpu")
     trace.note(f"allocator = PageAllocator({n_blocks})")
-    m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching={caching}, allocator=allocator)",
-                   impl, n_blocks, bs, enable_prefix_caching=caching, allocator=allocator)
+    if colliding:
+        trace.note("from kvlearn.parts.suite_block_manager import colliding_hash   # collides on purpose")
+        hints = hints | {key: hints[key] + COLLIDING for key in ("hit", "duplicate", "publish", "free")}
+        m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching=True, allocator=allocator, "
+                       "hash_fn=colliding_hash)", impl, n_blocks, bs, enable_prefix_caching=True,
+                       allocator=allocator, hash_fn=colliding_hash)
+    else:
+        m = trace.call(f"m = {impl.__name__}({n_blocks}, {bs}, enable_prefix_caching={caching}, "
+                       "allocator=allocator)", impl, n_blocks, bs, enable_prefix_caching=caching, allocator=allocator)
     # After a refused call, whatever changed is the refusal's fault: the capacity rule is the hint.
     refused = hints | {key: hints["capacity"] for key in ("refs", "free", "order", "walk", "table") if key in hints}
     live: list[list] = []   # [sequence, its name, tokens computed]
@@ -131,7 +162,9 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             if caching:
                 got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
                 trace.answer(str(got))
-                same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints["hit"])
+                wrong = {"collision": ref.hit(tokens, guard=False), "duplicate": ref.hit(tokens, last_copy=True)}
+                rule = next((k for k, found in wrong.items() if got == len(found) * bs != len(hit) * bs), "hit")
+                same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints[rule])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
             same(f"m.can_allocate({name})", fits, got, hints["capacity"])
@@ -145,7 +178,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
                 same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens,
                      hints["hit" if caching else "table"])
                 if caching:   # a copy of a prefix in place of its published block breaks the one-copy rule
-                    copies = [g for g, b in zip(table, hit) if g != b and ref.hashed.get(g) == ref.held[b]]
+                    copies = [g for g, b in zip(table, hit) if g != b and ref.same_key(g, b)]
                     same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)],
                          hints["duplicate" if copies else "hit"])
                 same(f"len({name}.block_table)", s.num_blocks, len(table), hints["table"])
@@ -157,11 +190,13 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             entry = rng.choice(live)
             s, name, done = entry
             upto = rng.randint(done, min(s.num_tokens, len(s.block_table) * bs))
-            if upto == s.num_tokens and rng.random() < 0.5:
-                trace.call(f"m.hash_blocks({name})", m.hash_blocks, s)
-            else:
-                trace.call(f"m.hash_blocks({name}, {upto})", m.hash_blocks, s, upto)
-            ref.publish(s.seq_id, s.token_ids, upto)
+            args = (s,) if upto == s.num_tokens and rng.random() < 0.5 else (s, upto)
+            line = f"m.hash_blocks({name}{'' if len(args) == 1 else f', {upto}'})"
+            # blocks the reference hashes now that the part hashed before their KV was computed
+            early = [b for b in s.block_table[:upto // bs] if b not in ref.hashed and m.blocks[b].hash is not None]
+            got = number("hash_blocks' answer", trace.call(line, m.hash_blocks, *args))
+            trace.answer(str(got))
+            same(line, ref.publish(s.seq_id, s.token_ids, upto), got, hints["publish" if early else "count"])
             entry[2] = upto
         elif op == "append" and any(done == s.num_tokens for s, _, done in live):
             entry = rng.choice([e for e in live if e[2] == e[0].num_tokens])

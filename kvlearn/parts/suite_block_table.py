@@ -22,7 +22,8 @@ PACKAGE_PART = BlockManager
 
 # The block_manager suite's hints, less what chapter 1 never asks, with its own words where they differ.
 HINTS = {key: hint for key, hint in suite_block_manager.HINTS.items()
-         if key not in ("hit", "share", "walk", "duplicate", "publish", "stats", "evict_cached")}
+         if key not in ("collision", "hit", "share", "walk", "duplicate", "publish", "count", "stats",
+                        "evict_cached")}
 HINTS |= {
     "table": "allocate gives the sequence one block per logical block (seq.num_blocks of them, the first "
              "logical block first); without prefix caching seq.num_cached_tokens stays 0 (chapter 1).",

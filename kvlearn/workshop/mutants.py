@@ -21,6 +21,7 @@ mutant still passes and answers what the worked solution answers.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import difflib
 import importlib.util
@@ -33,7 +34,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -261,12 +262,24 @@ def first_difference(a, b, where: str = "") -> str | None:
 
 @dataclass
 class Verdict:
-    """What became of one mutant: `killed`, `how` (check's hint line, or what ended the child) and
-    the seconds it took."""
+    """What became of one mutant: `killed`, `how` (check's hint line, or what ended the child), the
+    seconds it took, and `rule`: the key of the suite's HINTS whose hint check printed (see `rule_of`)."""
 
     killed: bool
     how: str
     seconds: float
+    rule: str = ""
+
+
+def rule_of(part: str, hint: str | None) -> str:
+    """The rule a failed check's hint line names: the key of the part's suite HINTS whose text the
+    line starts with (the longest such text: a suite may add a note after a hint), else "(other hint)";
+    "(no hint)" when the report has no hint line."""
+    if hint is None:
+        return "(no hint)"
+    text = hint.removeprefix("Hint:").strip()
+    found = [(len(h), key) for key, h in SUITES[part].module.HINTS.items() if text.startswith(h)]
+    return max(found)[1] if found else "(other hint)"
 
 
 def _judge_in_child(part: str, source: str, write_fd: int) -> None:
@@ -282,10 +295,12 @@ def _judge_in_child(part: str, source: str, write_fd: int) -> None:
         torch.set_num_threads(1)
         result = check(part, load_part(part, source))
         lines = result.message.splitlines()
-        verdict = {"killed": not result.passed,
-                   "how": next((s for s in lines if s.startswith("Hint:")), lines[0])[:200]}
+        hint = next((s for s in lines if s.startswith("Hint:")), None)
+        verdict = {"killed": not result.passed, "how": (hint or lines[0])[:200],
+                   "rule": rule_of(part, hint) if not result.passed else ""}
     except BaseException as error:   # whatever the mutant did, the parent gets a verdict
-        verdict = {"killed": True, "how": f"loading or checking it raised {type(error).__name__}: {error}"[:200]}
+        verdict = {"killed": True, "how": f"loading or checking it raised {type(error).__name__}: {error}"[:200],
+                   "rule": "(crashed)"}
     try:
         os.write(write_fd, json.dumps(verdict).encode())   # a few hundred bytes: one write, never blocks
     finally:
@@ -320,13 +335,13 @@ def judge(part: str, sources: list[str], jobs: int = 1, timeout_s: float = 60.0,
                 os.waitpid(pid, 0)
                 try:
                     verdict = json.loads(data)
-                    verdicts[index] = Verdict(verdict["killed"], verdict["how"], now - started)
+                    verdicts[index] = Verdict(verdict["killed"], verdict["how"], now - started, verdict["rule"])
                 except ValueError:
-                    verdicts[index] = Verdict(True, "the child died without a verdict", now - started)
+                    verdicts[index] = Verdict(True, "the child died without a verdict", now - started, "(crashed)")
             elif now - started >= timeout_s:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                verdicts[index] = Verdict(True, f"no verdict within {timeout_s:g} s", now - started)
+                verdicts[index] = Verdict(True, f"no verdict within {timeout_s:g} s", now - started, "(time limit)")
             else:
                 continue
             os.close(read_fd)
@@ -349,7 +364,8 @@ def _read_all(fd: int) -> bytes:
 @dataclass
 class PartResult:
     """One part's numbers: `mutants` judged, `killed`, `equivalent` (listed; they survived or not:
-    a killed one is also a problem), the `survivors` not listed, and `problems` with the listing."""
+    a killed one is also a problem), the `survivors` not listed, `problems` with the listing, and
+    `rules`: how many killed mutants got each rule's hint first (`rule_of`)."""
 
     part: str
     mutants: int
@@ -359,6 +375,7 @@ class PartResult:
     problems: list[str]   # listed entries out of date, a worked solution that fails
     seconds: float
     sampled: bool
+    rules: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def kill_rate(self) -> float:
@@ -391,7 +408,7 @@ def run_part(part: str, source: str, equivalents: list[dict], jobs: int, timeout
     if shown:
         print("\r" + " " * 60 + "\r", end="", file=out)
     killed = equivalent = 0
-    survivors = []
+    survivors, rules = [], collections.Counter()
     for mutant, verdict in zip(mutants, verdicts):
         if mutant.key in listed:
             equivalent += 1
@@ -400,10 +417,24 @@ def run_part(part: str, source: str, equivalents: list[dict], jobs: int, timeout
                                 f"{mutant.before!r} -> {mutant.after!r}")
         elif verdict.killed:
             killed += 1
+            rules[verdict.rule] += 1
         else:
             survivors.append(mutant)
     return PartResult(part, len(mutants), killed, equivalent, survivors, problems, time.monotonic() - start,
-                      sampled)
+                      sampled, rules)
+
+
+def hint_tally(results: list[PartResult], top: int) -> str:
+    """The rules whose hint check printed first for the most killed mutants: the `top` of each
+    part, then of all parts together (a proxy for where learners' mistakes land, not a count of them)."""
+    lines = [f"The hints check printed first, over the killed mutants (top {top}):"]
+    overall = collections.Counter()
+    for r in results:
+        overall.update({f"{r.part}: {rule}": n for rule, n in r.rules.items()})
+        shown = ", ".join(f"{rule} {n}" for rule, n in r.rules.most_common(top))
+        lines.append(f"  {r.part} ({r.killed} killed): {shown or '-'}")
+    lines.append("  all parts: " + (", ".join(f"{rule} {n}" for rule, n in overall.most_common(top)) or "-"))
+    return "\n".join(lines)
 
 
 def summary(results: list[PartResult]) -> str:
@@ -433,9 +464,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, help="judge this many mutants per part, drawn at random (seeded)")
     parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="the instructor notebooks' folder")
     parser.add_argument("--equivalents", type=Path, default=EQUIVALENTS, help="folder of <part>.json")
+    parser.add_argument("--hints", type=int, nargs="?", const=3, default=0, metavar="N",
+                        help="tally the rule whose hint check printed first for each killed mutant, and print the "
+                             "N most common per part and overall (default 3)")
     args = parser.parse_args(argv)
-    if args.jobs < 1 or args.timeout <= 0 or (args.sample is not None and args.sample < 1):
-        parser.error("--jobs and --sample take a positive count, --timeout a positive number of seconds")
+    if args.jobs < 1 or args.timeout <= 0 or (args.sample is not None and args.sample < 1) or args.hints < 0:
+        parser.error("--jobs, --sample and --hints take a positive count, --timeout a positive number of seconds")
     try:
         import cosmic_ray  # noqa: F401  (only to say what to install)
     except ImportError:
@@ -456,4 +490,7 @@ def main(argv=None) -> int:
                   f"{results[-1].equivalent} equivalent, {len(results[-1].survivors)} survived", flush=True)
     print()
     print(summary(results))
+    if args.hints:
+        print()
+        print(hint_tally(results, args.hints))
     return 1 if any(r.survivors or r.problems for r in results) else 0
