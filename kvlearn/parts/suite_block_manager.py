@@ -162,8 +162,10 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             if caching:
                 got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
                 trace.answer(str(got))
-                wrong = {"collision": ref.hit(tokens, guard=False), "duplicate": ref.hit(tokens, last_copy=True)}
-                rule = next((k for k, found in wrong.items() if got == len(found) * bs != len(hit) * bs), "hit")
+                rule = "hit"
+                if got != len(hit) * bs:   # a lookup without the guard, or one that finds a hash's last copy?
+                    wrong = {"collision": ref.hit(tokens, guard=False), "duplicate": ref.hit(tokens, last_copy=True)}
+                    rule = next((k for k, found in wrong.items() if got == len(found) * bs), rule)
                 same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints[rule])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
