@@ -1,6 +1,7 @@
 """`python -m kvlearn course`: each notebook in a fresh kernel, failures named, nothing written back."""
 
 import re
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -104,6 +105,9 @@ def test_student_copies_run_top_to_bottom_and_no_exercise_is_solved(tmp_path):
     """What a learner meets: every student chapter runs clean, and every checker says "Not yet"."""
     from kvlearn.workshop.student import write_student_copies
 
+    # student/ sits beside a copy of figures/, as `make student` puts it beside the repository's:
+    # chapter 6 shows the committed bench figure, and the chapters write theirs there.
+    shutil.copytree(course.NOTEBOOKS.parent / "figures", tmp_path / "figures")
     runs = course.run_course(write_student_copies(course.NOTEBOOKS, tmp_path / "student"), progress=False)
     assert [r.error for r in runs] == [""] * len(runs) and all(r.passed for r in runs)
     chapters = [r for r in runs if r.notebook != "09_your_engine"]   # the capstone has no exercise of its own
