@@ -125,19 +125,8 @@ def test_earlier_part_reads_the_file_afresh(tmp_path, monkeypatch, capsys):
     assert "it passes check_part('block_table', ...)" in capsys.readouterr().out
 
 
-def chapter_2_wrong_turns(solution):
-    """The usual wrong turns of chapter 2's build exercise (docs/instructor.md), each one change to
-    the instructor's `MyBlockManager`."""
-
-    class NoFullHit(solution):   # the block holding the last token may hit
-        def lookup(self, token_ids):
-            return super().lookup(list(token_ids) + [None])
-
-    class HitsAreFree(solution):   # a hit on a cached block still leaves the free list
-        def blocks_needed(self, seq, hit):
-            return seq.num_blocks - len(hit)
-
-    class NewBlocksFirst(solution):   # evicts for new KV before the hits leave cached_blocks
+def new_blocks_first(base):
+    class NewBlocksFirst(base):   # evicts for new KV before the hits leave cached_blocks
         def allocate(self, seq):
             self.check_new(seq)
             hit = self.lookup(seq.token_ids)
@@ -150,7 +139,23 @@ def chapter_2_wrong_turns(solution):
             seq.block_table[:] = hit + new
             seq.num_cached_tokens = len(hit) * self.block_size
             self.live_seqs.add(seq.seq_id)
-            self.count_hits(seq)   # given in the skeleton
+            self.count_hits(seq)
+    return NewBlocksFirst
+
+
+def chapter_2_wrong_turns(solution):
+    """The usual wrong turns of chapter 2's build exercise (docs/instructor.md), each one change to
+    the instructor's `MyBlockManager`."""
+
+    class NoFullHit(solution):   # the block holding the last token may hit
+        def lookup(self, token_ids):
+            return super().lookup(list(token_ids) + [None])
+
+    class HitsAreFree(solution):   # a hit on a cached block still leaves the free list
+        def blocks_needed(self, seq, hit):
+            return seq.num_blocks - len(hit)
+
+    NewBlocksFirst = new_blocks_first(solution)   # evicts for new KV before the hits leave cached_blocks
 
     class PublishesAtAllocate(solution):   # before the KV is computed
         def allocate(self, seq):

@@ -15,6 +15,7 @@ import pytest
 
 from kvlearn.exercises import NOT_YET
 from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_table, save_part
+from kvlearn.workshop.mutants import worked_solutions
 from tests import test_parts
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
@@ -32,20 +33,9 @@ def stand_in(name: str, class_name: str | None = None) -> str:
     return HEADER + source
 
 
-def part_cells(folder: Path = NOTEBOOKS) -> dict[str, str]:
-    """Every `%%part NAME` cell of the instructor notebooks: NAME -> the cell's code (what the magic saves)."""
-    cells = {}
-    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
-        for cell in nbformat.read(path, as_version=4).cells:
-            first, _, body = cell.source.partition("\n")
-            if cell.cell_type == "code" and first.startswith("%%part "):
-                cells[first.split()[1]] = body
-    return cells
-
-
 def solutions(folder: Path) -> set[str]:
     """Write the instructor solutions as my_parts/ modules in `folder`; returns the parts written."""
-    modules = {name: stand_in(name) for name in test_parts.MINE} | part_cells()
+    modules = {name: stand_in(name) for name in test_parts.MINE} | worked_solutions()
     for name, source in modules.items():
         save_part(name, source, folder / "my_parts")
     return set(modules)

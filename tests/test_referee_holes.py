@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kvlearn.allocator import PageAllocator
-from kvlearn.errors import KVCapacityError
 from kvlearn.parts import check
-from tests.test_build_exercises import run_parts
+from tests.test_build_exercises import new_blocks_first, run_parts
 
 
 @pytest.fixture(scope="module")
@@ -131,24 +130,6 @@ def counts_nothing(base):
         def count_hits(self, seq):
             pass
     return CountsNothing
-
-
-def new_blocks_first(base):
-    class NewBlocksFirst(base):   # evicts for new KV before the hits leave cached_blocks
-        def allocate(self, seq):
-            self.check_new(seq)
-            hit = self.lookup(seq.token_ids)
-            if self.blocks_needed(seq, hit) > self.num_free_blocks:
-                raise KVCapacityError("no room")
-            new = self.new_blocks(seq.num_blocks - len(hit))
-            for block_id in hit:
-                self.cached_blocks.pop(block_id, None)
-                self.blocks[block_id].ref_count += 1
-            seq.block_table[:] = hit + new
-            seq.num_cached_tokens = len(hit) * self.block_size
-            self.live_seqs.add(seq.seq_id)
-            self.count_hits(seq)
-    return NewBlocksFirst
 
 
 def last_copy_wins(base):
