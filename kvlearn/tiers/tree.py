@@ -22,19 +22,14 @@ Invariants (`check_invariants`, on top of chapter 3's):
 - `evictable_size`, `protected_size` and `total_size` count device tokens, as the pool sees them;
   chapter 3's counts (its `evictable_size`, `protected_size`) cover every node, off-device ones too;
 - host conservation: host free slots + host slots held by nodes == host pool size;
-- the device evicts unlocked nodes none of whose children is on the device (chapter 3's `evict`
-  with this tree's `can_evict` and `evict_node`), smallest key of chapter 3's eviction policy first
-  (least recently used by default; "lfu" or a key function carry over): each moves to the host
-  (copied there first if it has no copy), or, if the host cannot take it, leaves the tree with
-  everything below it (written to disk first, if there is a disk);
-- the host evicts, by the same policy's key, copies of device nodes (the node stays on the
-  device) and unlocked off-device leaves (they leave the tree, written to disk first);
-- the disk, if it has a capacity, deletes its least recently used pages to make room for a new
-  one (`kvlearn.tiers.disk`); a node leaving memory writes again the pages the disk has dropped
-  (or found bad) since, and stamps the others as just used;
-- the disk is a cache: a page it cannot write (an OS error, counted by the store) is dropped, and
-  a node is marked as on disk only once all its pages are there, so a later write tries again;
-- `flush` writes down what the device and host hold (a clean exit: see `TieredRadixKV.flush`).
+- a node is marked `on_disk` only once all its full pages were written (a page the disk could not
+  write is dropped, and a later write tries again: the disk is a cache).
+
+Eviction, smallest key of chapter 3's eviction policy first in every tier ("lru" by default):
+the device takes unlocked nodes with no child on the device (`can_evict`) to the host, or out of
+the tree with everything below them if the host cannot take them (`evict_node`); the host drops
+copies of device nodes and unlocked off-device leaves (`_evict_host`). What leaves memory is
+written to disk first (`_persist`); a disk with a capacity deletes its least recently used pages.
 
 Faults: each method that moves KV between tiers makes its fallible call (a pool's free, a host
 allocation, a disk write) before it changes the tree, so an exception there leaves every tier whole
@@ -84,7 +79,6 @@ class TieredRadixCache(RadixCache):
         super().reset()
         self._backed: dict[int, TreeNode] = {}     # id -> node with a host copy (`host_value`)
         self._off_unlocked = self._off_locked = 0  # off-device tokens, by lock state
-        self._host_tokens = 0
 
     # --- where KV lives -----------------------------------------------------------------------
     def tiers(self, node: TreeNode) -> tuple[str, ...]:
@@ -117,7 +111,7 @@ class TieredRadixCache(RadixCache):
     @property
     def host_size(self) -> int:
         """Tokens with a copy on the host (off-device ones and copies of device ones)."""
-        return self._host_tokens
+        return sum(map(len, self._backed.values()))
 
     def __repr__(self) -> str:
         return (f"TieredRadixCache({self.write_policy}, nodes={self.num_nodes}, device={self.total_size}, "
@@ -129,10 +123,10 @@ class TieredRadixCache(RadixCache):
         """Chapter 3's match over every tier: `last_node` ends the whole match; `indices` (and
         `len`) are the device part, the head of the path. `load_back` brings the rest."""
         match = super().match_prefix(key)
-        off = sum(len(n.key) for n in self._path(match.last_node) if not n.on_device)
-        if off:  # the walk touched the device node above the off-device tail: renew its entry
-            self.requeue(self._above_off_device(match.last_node))
-        return MatchResult(match.indices[:len(match) - off], match.last_node)
+        tail, above = self._off_device_tail(match.last_node)
+        if tail:  # the walk touched the device node above the off-device tail: renew its entry
+            self.requeue(above)
+        return MatchResult(match.indices[:len(match) - sum(map(len, tail))], match.last_node)
 
     def reachable_len(self, key) -> int:
         """Tokens of `key` that `match_prefix` + `load_back` would put on the device now, if every
@@ -141,12 +135,8 @@ class TieredRadixCache(RadixCache):
         if self.disk is None:
             return start
         p, hashes = self.disk.page_tokens, self.disk.entry_keys(self.as_key(key))
-        end = start
-        for i in range(start // p, len(hashes)):
-            if not self.disk.contains(hashes[i]):
-                break
-            end = (i + 1) * p
-        return end
+        missing = next((i for i in range(start // p, len(hashes)) if not self.disk.contains(hashes[i])), len(hashes))
+        return max(start, missing * p)  # the pages before the first one missing continue the match
 
     def load_back(self, key, node: TreeNode, slots: torch.Tensor) -> tuple[int, TreeNode]:
         """Bring a locked match onto the device before the forward that reads it. `node` is the
@@ -158,15 +148,13 @@ class TieredRadixCache(RadixCache):
         If it raises, `node` still holds the lock, and the tree holds on the device a head of
         `slots` along `key` (nodes brought back before the failure): `device_head(key, slots)`
         tokens; the rest of `slots` is still the caller's."""
-        offset = 0
-        for x in self._path(node):
-            n = len(x.key)
-            if not x.on_device:
-                dst = slots[offset:offset + n]
-                copy_kv(self.host, x.value, self.pool, dst)
-                self._to_device(x, dst.clone())
-                self.stats["loaded_from_host_tokens"] += n
-            offset += n
+        path = self._path(node)
+        for x, at in self._off_device_offsets(path):
+            dst = slots[at:at + len(x)]
+            copy_kv(self.host, x.value, self.pool, dst)
+            self._to_device(x, dst.clone())
+            self.stats["loaded_from_host_tokens"] += len(x)
+        offset = sum(map(len, path))
         end = self._load_disk(list(key), offset, slots)
         if end == offset:
             return offset, node
@@ -184,14 +172,12 @@ class TieredRadixCache(RadixCache):
     def device_head(self, key, slots: torch.Tensor) -> int:
         """How many leading tokens of `key` the tree holds on the device in exactly `slots` (a pure
         query: after a failed `load_back`, the part of `slots` the tree has adopted)."""
-        key = self.as_key(key)
-        node, i = self.root, 0
-        while True:  # children start with different pages: at most one holds the next tokens
-            child = next((c for c in node.children.values() if key[i:i + len(c.key)] == c.key), None)
-            if child is None or not child.on_device or not torch.equal(
-                    child.value, slots[i:i + len(child.key)].to(child.value.device)):
-                return i
-            node, i = child, i + len(child.key)
+        i = 0
+        for x in self.cached_path(self.aligned(self.as_key(key)))[0]:  # the nodes `key` goes through
+            if not x.on_device or not torch.equal(x.value, slots[i:i + len(x)].to(x.value.device)):
+                break
+            i += len(x)
+        return i
 
     def _load_disk(self, key: list, start: int, slots: torch.Tensor) -> int:
         """Read the valid disk pages that continue key[:start] into `slots`; return the new end."""
@@ -216,16 +202,11 @@ class TieredRadixCache(RadixCache):
         with write_through, every node of the path is then copied down."""
         present, match = super().insert_prefix(key, value)  # it checked `value`
         path = self._path(match.last_node)
-        off = [x for x in path if not x.on_device]
+        off = list(self._off_device_offsets(path))  # a new leaf may follow them
         if off:
-            slots = value.to(self.device, torch.int64)
-            offset = 0
-            for x in path:
-                if x is off[0]:
-                    present = offset
-                if not x.on_device:
-                    self._to_device(x, slots[offset:offset + len(x.key)].clone())
-                offset += len(x.key)
+            present, slots = off[0][1], value.to(self.device, torch.int64)  # present: the device head
+            for x, at in off:
+                self._to_device(x, slots[at:at + len(x)].clone())
             match = MatchResult(torch.cat([x.value for x in path]), match.last_node)
             self.requeue(match.last_node)  # on the device now: it may have become a candidate
         if self.write_policy == "write_through":
@@ -247,11 +228,7 @@ class TieredRadixCache(RadixCache):
     # --- locking: off-device tokens change lock state too ---------------------------------------
     def unlocked_on_path(self, node: TreeNode) -> int:
         """Device tokens that `lock(node)` would move from evictable to protected (a pure query)."""
-        off, x = 0, node
-        while x is not self.root and not x.on_device and not x.lock_ref:  # the off-device tail
-            off += len(x.key)
-            x = x.parent
-        return super().unlocked_on_path(node) - off
+        return super().unlocked_on_path(node) - sum(len(x) for x in self._off_device_tail(node)[0] if not x.lock_ref)
 
     def lock(self, node: TreeNode) -> None:
         super().lock(node)
@@ -266,13 +243,11 @@ class TieredRadixCache(RadixCache):
         """After a lock (now=1) or unlock (now=0) of `node`: off-device nodes on its path whose
         lock_ref became `now` changed lock state. They are the tail of the path; returns the
         device node above them."""
-        while node is not self.root and not node.on_device:
-            if node.lock_ref == now:
-                n = len(node.key) if now else -len(node.key)
-                self._off_locked += n
-                self._off_unlocked -= n
-            node = node.parent
-        return node
+        tail, above = self._off_device_tail(node)
+        moved = sum(len(x) for x in tail if x.lock_ref == now) * (1 if now else -1)  # unlocked -> locked
+        self._off_locked += moved
+        self._off_unlocked -= moved
+        return above
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         """Chapter 3's hook: the upper part of a cut edge lives where the edge lived."""
@@ -323,7 +298,6 @@ class TieredRadixCache(RadixCache):
         copy_kv(self.pool, node.value, self.host, slots)
         node.host_value = slots
         self._backed[node.id] = node
-        self._host_tokens += n
         self.stats["offloaded_tokens"] += n
         return True
 
@@ -341,7 +315,6 @@ class TieredRadixCache(RadixCache):
                 self.host.free(victim.host_value)  # freed first: if it fails, the copy is still held
                 victim.host_value = None
                 del self._backed[victim.id]
-                self._host_tokens -= len(victim.key)
             else:
                 self._remove(victim)
             freed += len(victim.key)
@@ -364,11 +337,9 @@ class TieredRadixCache(RadixCache):
         if node.host_value is not None:
             self.host.free(node.host_value)
         self.remove_leaf(node)
-        n = len(node.key)
+        self._backed.pop(node.id, None)
         if not node.on_device:
-            self._off_unlocked -= n
-        if self._backed.pop(node.id, None) is not None:
-            self._host_tokens -= n
+            self._off_unlocked -= len(node.key)
 
     # --- disk ----------------------------------------------------------------------------------
     def _persist(self, node: TreeNode, leaving: bool = False) -> None:
@@ -426,11 +397,22 @@ class TieredRadixCache(RadixCache):
             offset += len(x.key)
         return torch.cat(parts, dim=2)
 
-    def _above_off_device(self, node: TreeNode) -> TreeNode:
-        """The device node (maybe the root) above the off-device tail of `node`'s path."""
+    def _off_device_tail(self, node: TreeNode) -> tuple[list[TreeNode], TreeNode]:
+        """The off-device nodes that end `node`'s path, bottom up, and the device node (maybe the
+        root) above them."""
+        tail = []
         while node is not self.root and not node.on_device:
+            tail.append(node)
             node = node.parent
-        return node
+        return tail, node
+
+    def _off_device_offsets(self, path: list[TreeNode]):
+        """(x, where x's tokens start in the path) for each off-device node x of `path`, top down."""
+        offset = 0
+        for x in path:
+            if not x.on_device:
+                yield x, offset
+            offset += len(x)
 
     def _path(self, node: TreeNode) -> list[TreeNode]:
         """The nodes from below the root down to `node`."""
@@ -461,6 +443,5 @@ class TieredRadixCache(RadixCache):
                 backed += 1
         assert backed == len(self._backed), "a host copy of a node that left the tree"
         assert (off[False], off[True]) == (self._off_unlocked, self._off_locked), "off-device sizes drifted"
-        assert host_tokens == self._host_tokens, "host size drifted"
         if self.host is not None:
             assert self.host.num_free + host_tokens == self.host.num_slots, "host slot leak"
