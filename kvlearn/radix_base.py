@@ -231,9 +231,10 @@ class RadixCacheBase:
     def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
         """`insert`, also returning the match of the whole (aligned) key after inserting it: the
         tree's slots for every token and the node to lock while they are in use. `insert` is the
-        one walk that changes the tree (it splits where the key ends, stamps and ticks once); the
-        match is read back from the nodes, changing nothing. ValueError if `insert` left the key
-        uncached or ending inside an edge (an `insert` that does not walk like `match_prefix`)."""
+        one walk that changes the tree (it splits where the key ends, stamps and ticks once); it
+        returns only a length, so the match is read back from the nodes (`cached_path`: no split,
+        stamp, tick or hit). ValueError if `insert` left the key uncached or ending inside an edge
+        (an `insert` that does not walk like `match_prefix`). `kvlearn.RadixCache` does both in one walk."""
         present = self.insert(key, value)
         key = self.aligned(self.as_key(key))
         path, cached = self.cached_path(key)

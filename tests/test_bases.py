@@ -12,6 +12,7 @@ from kvlearn.allocator import PageAllocator
 from kvlearn.allocator_base import AllocatorBase
 from kvlearn.blocks_base import BlockManagerBase
 from kvlearn.radix_base import RadixCacheBase
+from kvlearn.workshop.mutants import worked_solutions
 
 
 def test_the_package_parts_inherit_the_learners_bases():
@@ -61,7 +62,7 @@ def test_the_bases_queries_give_the_packages_answers(page_size):
         else:
             n = rng.randint(1, 6)
             assert ours.evict(n) == base.evict(n)
-        assert state(ours) == state(base) and freed["ours"] == freed["base"]
+        assert state(ours) == state(base) and freed["ours"] == freed["base"] and ours.clock == base.clock
         assert ours.match_len(key) == base.match_len(key)
         for size in ("evictable_size", "protected_size", "total_size", "num_nodes"):
             assert getattr(RadixCacheBase, size).fget(ours) == getattr(ours, size), size
@@ -82,6 +83,20 @@ def test_the_bases_insert_prefix_refuses_an_insert_that_does_not_split():
     cache.insert([1, 2, 3], torch.arange(3))
     with pytest.raises(ValueError, match="split the edge where it ends"):
         cache.insert_prefix([1, 2], torch.arange(2))
+
+
+def test_the_bases_insert_prefix_over_the_worked_solution_ticks_once():
+    """Chapter 3's worked solution writes `insert` (one walk, one tick); the base's `insert_prefix`
+    reads the path back without a tick, and answers as RadixCache's one walk does."""
+    namespace = {}
+    exec(worked_solutions()["radix_cache"], namespace)
+    mine, ours = namespace["MyRadixCache"](page_size=2), RadixCache(page_size=2)
+    for key in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9, 8], [1, 2], [1, 2, 3, 4], [7, 7]):
+        value, before = torch.arange(10, 10 + len(key)), mine.clock
+        (n1, m1), (n2, m2) = mine.insert_prefix(key, value), ours.insert_prefix(key, value)
+        assert mine.clock == before + 1 == ours.clock
+        assert (n1, m1.indices.tolist(), m1.last_node.key) == (n2, m2.indices.tolist(), m2.last_node.key)
+        assert [(n.key, n.last_access) for n in mine.nodes()] == [(n.key, n.last_access) for n in ours.nodes()]
 
 
 def test_the_allocator_bases_recount_gives_the_counters():
