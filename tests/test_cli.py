@@ -110,7 +110,7 @@ def test_route_refuses_queued_requests_beyond_memory_with_the_estimate(traces, c
     path.write_text("".join(f'{{"timestamp": 0, "input_length": 2048, "output_length": 8, "hash_ids": [{i}, "a{i}", '
                             f'"b{i}", "c{i}"]}}\n' for i in range(2000)))
     monkeypatch.setattr(budget, "available_bytes", lambda: (20 * 2**20, None))
-    assert main(["route", "--trace", str(path), "--json"]) == 2
+    assert main(["route", "--trace", str(path), "--page-size", "1", "--json"]) == 2   # pages of one token, as above
     err = capsys.readouterr().err
     assert err.startswith("route: error: the fleet would preallocate about") and "; but 20.0 MB are available" in err
     assert ("its 2,000 requests take up to 33.3 MB more if they all wait at once (4,112,000 prompt and output tokens): "

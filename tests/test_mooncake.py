@@ -237,6 +237,35 @@ def test_unit_keys_replay_equals_the_token_level_replay(trace, capacity, page_si
 
 # --- route on real traffic -------------------------------------------------------------------------
 
+def route_json(capsys, *args) -> list[dict]:
+    assert route([*args, "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_route_pages_default_to_the_traces_block_size(tmp_path, capsys):
+    path = str(write(tmp_path / "hand.jsonl", HAND))
+    fleet = ["--trace", path, "--block-size", "4", "--replicas", "2", "--policy", "all"]
+    # no --page-size: a page is a block, the 30 slots become 7 whole pages of 4
+    rows = route_json(capsys, *fleet, "--slots-per-replica", "30")
+    assert {(r["page_size"], r["page_size_from"], r["slots_per_replica"]) for r in rows} == {
+        (4, "the trace's block size", 28)}
+    # ... which is the run an explicit --page-size 4 on 28 slots makes, that flag named instead
+    explicit = route_json(capsys, *fleet, "--slots-per-replica", "28", "--page-size", "4")
+    assert {r["page_size_from"] for r in explicit} == {"--page-size"}
+    assert [{**r, "page_size_from": None, "sim_wall_s": None, "sim_requests_per_s": None} for r in rows] == \
+        [{**r, "page_size_from": None, "sim_wall_s": None, "sim_requests_per_s": None} for r in explicit]
+    # an explicit page size wins, and a slot count that is not whole pages is its user's to fix
+    (smaller,) = route_json(capsys, *fleet[:-2], "--slots-per-replica", "30", "--page-size", "2")
+    assert (smaller["page_size"], smaller["page_size_from"], smaller["slots_per_replica"]) == (2, "--page-size", 30)
+    assert route([*fleet, "--slots-per-replica", "30", "--page-size", "4"]) == 2
+    assert "must be a multiple of page_size" in capsys.readouterr().err
+    # the table says it too, and a fleet without a single page is refused
+    assert route([*fleet[:-2], "--slots-per-replica", "30"]) == 0
+    assert "pages of 4: the trace's block size, 30 rounded down to whole pages" in capsys.readouterr().out
+    assert route([*fleet, "--slots-per-replica", "3"]) == 2
+    assert "holds no page of 4 tokens (the trace's block size)" in capsys.readouterr().err
+
+
 @pytest.mark.slow   # 7M prompt tokens through the fleet simulator: about 25 s of CPU
 def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     with gzip.open(mooncake_trace_path("conversation"), "rt") as f:

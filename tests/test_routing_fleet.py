@@ -243,12 +243,15 @@ def test_route_json_has_the_promised_fields(trace_file, capsys):
                 "hit_rate", "load_imbalance", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"):
         assert key in row
     assert (row["policy"], row["replicas"], row["requests"]) == ("cache_aware", 3, 120)
+    # a trace without a block size keeps the cache mode's page size, and says so
+    assert (row["page_size"], row["page_size_from"], row["slots_per_replica"]) == (1, "the radix cache's default", 16384)
 
 
 def test_route_all_compares_every_policy(trace_file, capsys):
     assert route(["--trace", str(trace_file), "--replicas", "2", "--policy", "all", "--cache", "blocks"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("120 requests") and out[1].split()[:3] == ["policy", "hit", "rate"]
+    assert out[0].endswith("2 replicas x 16,384 slots (blocks, pages of 16: the blocks cache's default)")
     assert [line.split()[0] for line in out[2:]] == list(POLICIES)
 
 

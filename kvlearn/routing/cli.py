@@ -16,6 +16,11 @@ the simulated time of the time model (`--time-model`, default: the one committed
 `--pool-tokens N` adds, after the local runs, a run of the same fleet with one shared prefix pool of
 N tokens below every replica's cache (`kvlearn.routing.pooled`: Mooncake Store's idea), with
 `--pool-policy` routing it. `--trace` also takes a bundled Mooncake trace's name (conversation, synthetic).
+The page size of the replicas' pools is `--page-size` if given, else a Mooncake trace's block size
+(`--block-size`, 512 by default: one hash id per block, so a page is a block and the radix trees hold
+a node per block, not per token), else the cache mode's default; with the block size, a slot count
+that is not whole pages is rounded down to whole pages. The output says which page size ran and why
+(`--json`: `page_size`, `page_size_from`, `slots_per_replica`).
 Before building the fleet, it estimates the memory the fleet takes (each replica's pool and request
 table, and the trace's requests should they all queue at once: `kvlearn.routing.budget`) and
 refuses, saying what to change, a fleet that does not fit in what is available; traces are read
@@ -33,7 +38,9 @@ from pathlib import Path
 
 from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.routing.budget import check_fleet_memory
+from kvlearn.routing.mooncake import BLOCK_SIZE
 from kvlearn.routing.policies import POLICIES, make_policy
+from kvlearn.serving.cache_modes import default_page_size
 
 # (field, header, width, format) of the table's columns; the first is left-aligned
 COLUMNS = (("policy", "policy", 19, ""), ("hit_rate", "hit rate", 9, ".1%"),
@@ -54,8 +61,9 @@ def parser() -> argparse.ArgumentParser:
                                                               "max_new_tokens, optional session; or a Mooncake trace "
                                                               "(a file, or a bundled one: conversation, synthetic)")
     source.add_argument("--generate", type=int, metavar="N", help="a seeded multi-tenant trace of N requests")
-    source.add_argument("--block-size", type=int, default=512, help="tokens per hash id of a Mooncake trace "
-                                                                    "(lines with hash_ids, gzipped or not)")
+    source.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per hash id of a Mooncake trace "
+                                                                           "(lines with hash_ids, gzipped or not); "
+                                                                           "also its default page size")
     gen = p.add_argument_group("generated trace")
     gen.add_argument("--tenants", type=int, default=32, help="tenants (apps with their own system prompt)")
     gen.add_argument("--rate", type=float, default=20.0, help="requests per second on average")
@@ -68,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--policy", default="cache_aware", choices=POLICIES + ("all",))
     fleet.add_argument("--slots-per-replica", type=int, default=16384, help="KV slots (tokens) of each replica's pool")
     fleet.add_argument("--cache", default="radix", choices=("radix", "blocks"))
-    fleet.add_argument("--page-size", type=int, help="tokens per page of each pool (default: 1 for radix, 16 for blocks)")
+    fleet.add_argument("--page-size", type=int, help="tokens per page of each pool (default: a Mooncake trace's "
+                                                     "block size, else 1 for radix, 16 for blocks)")
     fleet.add_argument("--max-batch-tokens", type=int, default=2048)
     fleet.add_argument("--time-model", metavar="FILE.json", help="a time model from --calibrate (default: kvlearn's)")
     fleet.add_argument("--speedup", type=float, default=1.0, metavar="K",
@@ -116,31 +125,46 @@ def _policy_options(args, policy: str) -> dict:
     return options
 
 
-def _trace(args):
+def _trace(args) -> tuple[list, int | None]:
+    """The trace, and its block size if it has one (a Mooncake trace's tokens per hash id), else None."""
     from kvlearn.routing.traces import check_trace_path, multi_tenant_trace, read_trace, write_trace
 
     if (args.trace is None) == (args.generate is None):
         raise ValueError("Give exactly one of --trace FILE.jsonl and --generate N.")
     if args.trace is not None:
-        from kvlearn.routing.mooncake import BUNDLED, mooncake_trace_path
+        from kvlearn.routing.mooncake import BUNDLED, is_mooncake, mooncake_trace_path
 
         if args.save_trace:
             raise ValueError("--save-trace writes a generated trace: use it with --generate N, not --trace.")
         path = mooncake_trace_path(args.trace) if args.trace in BUNDLED and not Path(args.trace).exists() else args.trace
-        return read_trace(path, block_size=args.block_size)
+        trace = read_trace(path, block_size=args.block_size)
+        return trace, (args.block_size if is_mooncake(path) else None)
     if args.save_trace:
         check_trace_path(args.save_trace)   # before generating, not after
     trace = multi_tenant_trace(args.generate, num_tenants=args.tenants, rate=args.rate,
                                hot_tenant_share=args.hot_tenant, burstiness=args.burstiness, seed=args.seed)
     if args.save_trace:
         write_trace(trace, args.save_trace)
-    return trace
+    return trace, None
+
+
+def _pages(args, block_size: int | None) -> tuple[int, str, int]:
+    """(page size, why, slots per replica): `--page-size` if given, else the trace's block size
+    (the slots then rounded down to whole pages), else the cache mode's default."""
+    if args.page_size is not None:
+        return args.page_size, "--page-size", args.slots_per_replica
+    if block_size is None:
+        return default_page_size(args.cache), f"the {args.cache} cache's default", args.slots_per_replica
+    slots = args.slots_per_replica // block_size * block_size
+    if not slots:
+        raise ValueError(f"--slots-per-replica {args.slots_per_replica} holds no page of {block_size} tokens (the "
+                         f"trace's block size): give at least {block_size}, or a smaller --page-size.")
+    return block_size, "the trace's block size", slots
 
 
 def _run(args) -> int:
     from kvlearn.routing.fleet import simulate_fleet
     from kvlearn.routing.timemodel import TimeModel, calibrate, default_time_model
-    from kvlearn.serving.cache_modes import default_page_size
 
     if args.calibrate:
         model = calibrate(progress=lambda line: print(line, file=sys.stderr))
@@ -160,22 +184,24 @@ def _run(args) -> int:
         runs.append((args.pool_policy, args.pool_tokens))
     for name, _ in runs:   # every policy's options checked before anything runs (on a policy of one replica)
         make_policy(name, 1, **_policy_options(args, name))
-    trace = _trace(args)
+    trace, block_size = _trace(args)
+    page_size, page_size_from, slots = _pages(args, block_size)
     rows = inspect.signature(simulate_fleet).parameters["max_requests"].default  # each replica's, by default
-    check_fleet_memory(args.replicas, args.slots_per_replica, args.page_size or default_page_size(args.cache), rows,
-                       trace)
+    check_fleet_memory(args.replicas, slots, page_size, rows, trace)
     if not args.json:
+        rounded = f", {args.slots_per_replica:,} rounded down to whole pages" if slots != args.slots_per_replica else ""
         print(f"{len(trace):,} requests, {sum(r.num_prompt_tokens for r in trace):,} prompt tokens, "
-              f"{args.replicas} replicas x {args.slots_per_replica:,} slots ({args.cache})"
-              + (f", then one pool of {args.pool_tokens:,} tokens" if args.pool_tokens else ""))
+              f"{args.replicas} replicas x {slots:,} slots ({args.cache}, pages of {page_size}: {page_size_from}"
+              f"{rounded})" + (f", then one pool of {args.pool_tokens:,} tokens" if args.pool_tokens else ""))
         print(_line((header, width, "") for _, header, width, _ in COLUMNS))
     for name, pool_tokens in runs:
-        result = simulate_fleet(trace, name, args.replicas, cache=args.cache, slots_per_replica=args.slots_per_replica,
-                                page_size=args.page_size, time_model=time_model, max_batch_tokens=args.max_batch_tokens,
+        result = simulate_fleet(trace, name, args.replicas, cache=args.cache, slots_per_replica=slots,
+                                page_size=page_size, time_model=time_model, max_batch_tokens=args.max_batch_tokens,
                                 progress=not args.json and len(trace) >= 5000, pool_tokens=pool_tokens,
                                 **_policy_options(args, name))
         row = result.summary()
         if args.json:
+            row.update(page_size=page_size, page_size_from=page_size_from, slots_per_replica=slots)
             print(json.dumps(row), flush=True)
         else:
             row["policy"] += " + pool" if pool_tokens else ""
