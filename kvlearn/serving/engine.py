@@ -16,19 +16,19 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.fast import FastLlama
 from kvlearn.model import chat_ids, eos_token_ids
-from kvlearn.attention import paged_attention
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
-from kvlearn.serving.guard import guard_attention
-from kvlearn.serving.kv_factories import registered_kv
+from kvlearn.serving.hooks import registered_kv
+from kvlearn.serving.part_registry import served
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
 
@@ -75,8 +75,9 @@ class Engine:
     `add_request`, `step` and `evict_all` raise RuntimeError.
 
     Parts (`parts={...}`, kvlearn.parts) that are not the package's serve behind guards that check
-    every answer (kvlearn.serving.guard): a wrong one raises `kvlearn.PartError`, the step's
-    requests are aborted, and the engine serves on. The package's own parts are called unguarded.
+    every answer (`kvlearn.serving.part_registry.served`): a wrong one raises `kvlearn.PartError`,
+    the step's requests are aborted, and the engine serves on. The package's own parts are called
+    unguarded.
 
     `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
     requests queued by `add_request` are still running).
@@ -86,22 +87,23 @@ class Engine:
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
-        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built.
+        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built. A
+        # learner's part serves behind its guard (`served`; None: the package's own).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
-                                     page_size=c.page_size, allocator_cls=c.parts.get("allocator"))
+                                     page_size=c.page_size, allocator_cls=served(c.parts, "allocator"))
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path.
         fast = c.fast and "attention" not in c.parts
-        attention = c.parts.get("attention", paged_attention)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
-                                  attention=None if attention is paged_attention else guard_attention(attention))
-        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
-        self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_requests,
-                                                                        parts=c.parts)
-        self.scheduler = c.parts.get("scheduler", Scheduler)(self.kv, c.max_batch_tokens, c.schedule,
-                                                             self.eos_token_ids, chunked_prefill=c.chunked_prefill)
+                                  attention=served(c.parts, "attention"))
+        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
+        # cache behind its guard, or one of chapter 6's modes.
+        make_kv = served(c.parts, "radix_cache") or served(c.parts, "block_manager") or partial(make_kv_manager, c.cache)
+        self.kv = registered_kv(c, self.pool, model) or make_kv(self.pool, c.max_requests)
+        self.scheduler = (served(c.parts, "scheduler") or Scheduler)(
+            self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids, chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.closed = False
