@@ -13,7 +13,7 @@ from kvlearn.serving.hooks import register_kv_factory, register_part_guards
 _EXPORTS = {
     "load_model": "model",
     "load_tokenizer": "model",
-    "model_path": "model",
+    "model_path": "model_store",
     "chat_ids": "model",
     "KVCapacityError": "errors",
     "PartError": "errors",
