@@ -130,18 +130,15 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V (`[len(slots), num_kv_heads, head_dim]` each) of one layer at `slots`.
-        Shapes and slot range are checked before anything is written."""
+        The layer, the slots (integers inside the pool) and the shapes are checked before anything is written."""
         check_int("layer", layer)
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}.")
-        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
-            raise TypeError(f"slots must be a 1-D int64 tensor (as returned by alloc), got {type(slots).__name__}.")
+        slots = self._as_slots(slots)
         want = (slots.numel(), self.num_kv_heads, self.head_dim)
-        if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"store() needs 1-D slots and K, V of shape [len(slots), num_kv_heads, head_dim]"
-                             f" = {list(want)}; got slots {list(slots.shape)}, K {list(k.shape)}, V {list(v.shape)}.")
-        if ((slots < 0) | (slots >= self.num_slots)).any():
-            raise ValueError(f"Slot indices must be in [0, {self.num_slots}).")
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"store() needs K and V of shape [len(slots), num_kv_heads, head_dim] = {list(want)}; "
+                             f"got K {list(k.shape)}, V {list(v.shape)}.")
         self.write(layer, slots, k, v)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -249,12 +246,11 @@ class ReqToTokenPool:
         The slots are checked before the row is taken: on an error nothing changed."""
         if not self._free_rows:
             raise KVCapacityError(f"All {len(self.lengths)} request rows are in use: free a finished request first.")
-        slots = None if slots is None else self._as_slots(slots, self._free_rows[-1], 0)
+        slots = self._as_slots([] if slots is None else slots, self._free_rows[-1], 0)
         row = self._free_rows.pop()
         self._live[row] = True
-        if slots is not None:
-            self.req_to_token[row, :len(slots)] = slots
-            self.lengths[row] = len(slots)
+        self.req_to_token[row, :len(slots)] = slots
+        self.lengths[row] = len(slots)
         return row
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

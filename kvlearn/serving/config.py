@@ -33,12 +33,8 @@ class EngineConfig:
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
     page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
     max_requests: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
-    parts: dict = field(default_factory=dict)  # learners' classes by part name (kvlearn.parts), built with the same
-                                         # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
-                                         # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
-                                         # PageAllocator), "attention" (a function like kvlearn.attention.
-                                         # paged_attention; the plain path serves it, never fast), "scheduler"
-                                         # (Scheduler, any cache); a part not given is the package's own
+    parts: dict = field(default_factory=dict)  # learners' parts by name (kvlearn.parts), built like the package's
+                                         # own (the records of kvlearn.serving.part_registry); one not given: ours
 
     # --- the scheduler (chapter 6) ---
     max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)

@@ -1,6 +1,5 @@
 """Chapter 6's ways in for what the engine never imports: later chapters' KV managers and the guards
-of a learner's parts. `kvlearn/__init__` fills both registries; this module imports nothing, so
-registering is free.
+of a learner's parts, registered by `kvlearn/__init__`; this module imports nothing.
 
 - KV factories: the engine asks each registered `factory(options, pool, model) -> KVManager | None`,
   in order, for its KV manager; the first that returns one wins, and with none the engine takes one
