@@ -130,16 +130,17 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V (`[len(slots), num_kv_heads, head_dim]` each) of one layer at `slots`.
-        The layer, the slots (integers inside the pool) and the shapes are checked before anything is written."""
+        Shapes and slot range are checked before anything is written."""
         check_int("layer", layer)
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}.")
-        slots = self._as_slots(slots)
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64:
+            raise TypeError(f"slots must be a 1-D int64 tensor (as returned by alloc), got {type(slots).__name__}.")
         want = (slots.numel(), self.num_kv_heads, self.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"store() needs K and V of shape [len(slots), num_kv_heads, head_dim] = {list(want)}; "
-                             f"got K {list(k.shape)}, V {list(v.shape)}.")
-        self.write(layer, slots, k, v)
+        if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"store() needs 1-D slots and K, V of shape [len(slots), num_kv_heads, head_dim]"
+                             f" = {list(want)}; got slots {list(slots.shape)}, K {list(k.shape)}, V {list(v.shape)}.")
+        self.write(layer, self._as_slots(slots), k, v)   # _as_slots: ValueError for a slot outside the pool
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`store` without the checks: attention calls it in every layer of every forward, on slots
