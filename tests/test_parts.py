@@ -22,6 +22,7 @@ from kvlearn.pool import KVPool
 from kvlearn.radix import MatchResult
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
+from kvlearn.serving.part_registry import served
 
 
 # --- correct parts, written outside the package ------------------------------------------------
@@ -439,7 +440,7 @@ def test_every_list_of_parts_is_read_from_the_registry():
         suite = SUITES[part.name]
         assert suite.part is part and suite.module.__name__ == f"kvlearn.parts.suite_{part.name}"
         assert PARTS[part.name] is suite.reference and BUILD[part.name] == (part.chapter, part.exercise)
-        assert PART_MODES.get(part.name, ()) == part.modes
+        assert PART_MODES.get(part.name, ()) == part.modes and part.package is suite.reference
         assert row[2:4] == [part.taught, suite.contract.__name__]
     assert [part.taught for part in REGISTRY[:3]] == ["chapter 1", "chapters 1-2", "chapter 3"]
 
@@ -462,9 +463,9 @@ def test_engine_config_checks_parts():
 
 @pytest.mark.parametrize("cache, part", [("radix", "radix_cache"), ("blocks", "block_manager")])
 def test_the_kv_manager_is_built_from_the_parts(cache, part):
-    pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=MyAllocator)
-    kv = make_kv_manager(cache, pool, parts={part: MINE[part]})
-    assert type(kv.cache) is MINE[part] and type(pool.allocator) is MyAllocator
+    pool = KVPool(1, 1, 1, 64, page_size=4, allocator_cls=served({"allocator": MyAllocator}, "allocator"))
+    kv = served({part: MINE[part]}, part)(pool, 256)
+    assert type(kv.cache) is MINE[part] and type(pool.allocator.part) is MyAllocator
     assert isinstance(make_kv_manager(cache, KVPool(1, 1, 1, 64, page_size=4)).cache, PARTS[part])  # missing: ours
 
 
@@ -479,7 +480,7 @@ def test_parts_written_outside_the_package_serve_the_real_model(model, tokenizer
     mine = {"allocator": MyAllocator, part: MINE[part]}
     theirs = Engine(model, tokenizer, cache=cache, num_slots=1024)
     ours = Engine(model, tokenizer, cache=cache, num_slots=1024, parts=mine)
-    assert type(ours.cache) is MINE[part] and type(ours.pool.allocator) is MyAllocator
+    assert type(ours.cache) is MINE[part] and type(ours.pool.allocator.part) is MyAllocator
     expected = [out.token_ids for out in theirs.generate(prompts, max_new_tokens=8)]
     assert [out.token_ids for out in ours.generate(prompts, max_new_tokens=8)] == expected
     for key in ("prompt_tokens", "computed_prefill_tokens", "cached_tokens"):

@@ -3,7 +3,8 @@
 A part is a class (for "attention", a function) with the contract of the package's own, built with
 the same arguments; the table at the end, read from the registry of parts (kvlearn.serving.part_registry),
 lists them. `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
-serves with them (missing parts are the package's); `check("radix_cache", MyRadixCache)` runs the
+serves with them (missing parts are the package's), each behind a guard that checks its answers
+(`kvlearn.parts.guard`, `guard_caches`, `guarded_kv`); `check("radix_cache", MyRadixCache)` runs the
 conformance suite and returns a `CheckReport` (`.passed`, `.message`). A part never needs to
 inherit from the package's finished class; the bases (which the package's parts inherit too) hold only
 what the chapter does not teach.

@@ -6,9 +6,8 @@
 - `BlockKV`: chapter 2's block manager (vLLM's design): a block is a page of the pool, taken through
   the pool's one allocator; full computed blocks are published by hash.
 
-With a learner's tree or block manager (kvlearn.parts), `GuardedRadixKV` / `GuardedBlockKV` serve
-instead: the same modes with the part behind a guard (kvlearn.serving.guard). The package's own
-classes are never guarded: their path is the plain one above.
+A learner's tree or block manager (kvlearn.parts) serves in the same modes behind a guard
+(`kvlearn.serving.part_registry.served`); the package's own classes are called as they are.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from kvlearn.blocks import BlockManager
 from kvlearn.errors import check_choice
 from kvlearn.pool import KVPool
 from kvlearn.radix import RadixCache
-from kvlearn.serving.guard import BlockManagerGuard, RadixGuard
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS, KVManager, PoolPagesKV
 from kvlearn.serving.request import Request
 
@@ -78,21 +76,14 @@ class RadixKV(PoolPagesKV):
 
     Locks: a running request holds one lock, on the tree node where its borrowed prefix ends; the
     tree's protected size is therefore exactly the running requests' shared prefixes.
-    `radix_cache`: the tree's class (a learner's part, `kvlearn.parts.RadixCachePart`), built like
-    `RadixCache(page_size=..., evict_callback=..., device=...)`; None: the package's.
     """
 
     name, caches_prefixes = "radix", True
 
-    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, radix_cache=None):
+    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
-        self.tree = self.new_tree(radix_cache)
+        self.tree = TrustedKeyRadixCache(page_size=pool.page_size, evict_callback=pool.free, device=pool.device)
         self._evicted = 0
-
-    def new_tree(self, radix_cache):
-        """The tree, built like `RadixCache(page_size=..., evict_callback=..., device=...)`."""
-        return (radix_cache or TrustedKeyRadixCache)(page_size=self.pool.page_size,
-                                                     evict_callback=self.pool.free, device=self.pool.device)
 
     @property
     def cache(self) -> RadixCache:
@@ -181,21 +172,13 @@ class BlockKV(KVManager):
     A block whose last user leaves stays cached if it holds a published prefix, and is evicted
     (its page reused) only when the pool has no free page left: this mode evicts lazily, inside
     the block manager, which also counts what it evicted.
-    `block_manager`: the manager's class (a learner's part, `kvlearn.parts.BlockManagerPart`), built
-    like `BlockManager(num_blocks, block_size, enable_prefix_caching=True, allocator=...)`; None: the
-    package's.
     """
 
     name, caches_prefixes = "blocks", True
 
-    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS, block_manager=None):
+    def __init__(self, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
-        self.manager = self.new_manager(block_manager)
-
-    def new_manager(self, block_manager):
-        """The block manager, built like `BlockManager(num_blocks, block_size, ...)` over the pool's allocator."""
-        return (block_manager or BlockManager)(self.pool.num_slots // self.pool.page_size, self.pool.page_size,
-                                               enable_prefix_caching=True, allocator=self.pool.page_allocator)
+        self.manager = BlockManager(pool.num_slots // pool.page_size, pool.page_size, allocator=pool.allocator)
 
     @property
     def cache(self) -> BlockManager:
@@ -261,90 +244,7 @@ class BlockKV(KVManager):
         return self.manager.evict_cached()
 
 
-class GuardedKV:
-    """What the guarded modes share (first base of `GuardedRadixKV` and `GuardedBlockKV`): the
-    cache is a learner's part behind `guard` (kvlearn.serving.guard). After a PartError the part is
-    asked nothing more: a request that leaves gives back only what the guard's account says is its
-    own (`drop_request`), and once no request holds KV the guard empties the part (`recover`)."""
-
-    @property
-    def cache(self):
-        return self.guard.part
-
-    def foreign_parts(self) -> list[tuple[str, object]]:
-        return super().foreign_parts() + [(self.guard.name, self.guard.part)]
-
-    def recover(self) -> None:
-        """Mutation: a broken part, with no request holding KV, is emptied (`guard.drop_all`)."""
-        if self.guard.broken and self.rows.num_free == len(self.rows.lengths):
-            self.guard.drop_all()
-
-    def admit(self, req: Request) -> int | None:
-        self.recover()
-        return super().admit(req)
-
-    def release(self, req: Request) -> None:
-        if not self.guard.broken:
-            return super().release(req)
-        self.drop_request(req)
-        self._close_row(req)
-        self.recover()
-
-    def evict_all(self) -> int:
-        self.recover()
-        return super().evict_all()
-
-
-class GuardedRadixKV(GuardedKV, RadixKV):
-    """`RadixKV` over a learner's tree, behind a `RadixGuard` that checks each of its answers."""
-
-    def new_tree(self, radix_cache) -> RadixGuard:
-        return RadixGuard(radix_cache, self.pool)
-
-    @property
-    def guard(self) -> RadixGuard:
-        return self.tree
-
-    def drop_request(self, req: Request) -> None:
-        """The slots of the request's row that the guard does not count as the tree's go back."""
-        h = req.kv
-        row = self.rows.req_to_token[h.row, :h.num_slots]
-        self.pool.free(row[~self.tree.holds(row)])
-        h.num_slots = h.prefix_len = 0
-
-
-class GuardedBlockKV(GuardedKV, BlockKV):
-    """`BlockKV` over a learner's block manager, behind a `BlockManagerGuard`; after a PartError,
-    once no table is live, every used page goes back and a fresh manager of the learner's class serves."""
-
-    def new_manager(self, block_manager) -> BlockManagerGuard:
-        return BlockManagerGuard(block_manager, self.pool)
-
-    @property
-    def guard(self) -> BlockManagerGuard:
-        return self.manager
-
-    def drop_request(self, req: Request) -> None:
-        """Its table is forgotten: the pages go back when the manager is replaced."""
-        req.block_table, req.num_cached_tokens = [], 0
-
-
-def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS,
-                    parts: dict | None = None) -> KVManager:
-    """The KV manager for a cache mode: "radix", "blocks" (blocks of pool.page_size) or "none".
-    `parts` (checked by `EngineConfig`): learners' classes by part name; "radix_cache" builds the
-    radix mode's tree, "block_manager" the blocks mode's manager (the pool holds the allocator).
-    A part that is not the package's class serves behind a guard; the package's never does."""
-    parts = parts or {}
-    check_choice("cache", cache, CACHE_MODES)
-    if cache == "radix":
-        tree = parts.get("radix_cache")
-        if tree in (None, RadixCache, TrustedKeyRadixCache):
-            return RadixKV(pool, max_requests, tree)
-        return GuardedRadixKV(pool, max_requests, tree)
-    if cache == "blocks":
-        manager = parts.get("block_manager")
-        if manager in (None, BlockManager):
-            return BlockKV(pool, max_requests, manager)
-        return GuardedBlockKV(pool, max_requests, manager)
-    return NoCacheKV(pool, max_requests)
+def make_kv_manager(cache: str, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS) -> KVManager:
+    """The KV manager for a cache mode: "radix", "blocks" (blocks of pool.page_size) or "none"."""
+    modes = {"radix": RadixKV, "blocks": BlockKV, "none": NoCacheKV}
+    return modes[check_choice("cache", cache, CACHE_MODES)](pool, max_requests)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from kvlearn.errors import check_bool, check_choice, check_positive_int
 from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
-from kvlearn.serving.part_registry import REGISTRY
+from kvlearn.serving.part_registry import REGISTRY, served
 from kvlearn.serving.scheduler import SCHEDULES
 
 DEFAULT_NUM_SLOTS = 8192  # about 377 MB of float32 KV for SmolLM2-135M
@@ -33,12 +33,8 @@ class EngineConfig:
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
     page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
     max_requests: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
-    parts: dict = field(default_factory=dict)  # learners' classes by part name (kvlearn.parts), built with the same
-                                         # arguments as the package's: "block_manager" (BlockManager, cache="blocks"),
-                                         # "radix_cache" (RadixCache, cache="radix"), "allocator" (the pool's
-                                         # PageAllocator), "attention" (a function like kvlearn.attention.
-                                         # paged_attention; the plain path serves it, never fast), "scheduler"
-                                         # (Scheduler, any cache); a part not given is the package's own
+    parts: dict = field(default_factory=dict)  # learners' parts by name (kvlearn.parts), built like the package's
+                                         # own (the records of kvlearn.serving.part_registry); one not given: ours
 
     # --- the scheduler (chapter 6) ---
     max_batch_tokens: int = 2048         # tokens computed per step at most (each decode counts one)
@@ -97,8 +93,7 @@ class EngineConfig:
             if name == "radix_cache" and self.tiered:
                 raise ValueError("parts['radix_cache'] cannot serve with tiers (host_slots, disk_dir): chapter 8's "
                                  "tree is the package's.")
-        if self.parts:
-            check_contracts(self.parts)
+            served(self.parts, name)   # a learner's part goes through its guard once: it checks the contract
 
     @property
     def tiered(self) -> bool:
@@ -117,24 +112,3 @@ class EngineConfig:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
         base = {} if config is None else {name: getattr(config, name) for name in names}
         return cls(**{**base, **options})
-
-
-def check_contracts(parts: dict) -> None:
-    """TypeError for a part's class that lacks members its contract lists (kvlearn.parts: each
-    contract's methods and properties), naming what is missing; functions ("attention") are only
-    called, so being callable is their whole contract here."""
-    from kvlearn.parts.conformance import SUITES, contract_members   # chapter 6's contracts, read when parts are given
-
-    for name, part in parts.items():
-        if name == "attention" and isinstance(part, type):
-            raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
-                            f"{part.__qualname__}.")
-        if not isinstance(part, type):
-            continue
-        contract = SUITES[name].contract
-        missing = [m for m in contract_members(contract) if not hasattr(part, m)]
-        if missing:
-            raise TypeError(f"parts[{name!r}] ({part.__qualname__}) lacks {', '.join(missing)}: the {name} contract "
-                            f"(kvlearn.parts.{contract.__name__}) lists them; write each one (help(kvlearn.parts."
-                            f"{contract.__name__})), then check the part with kvlearn.parts.check({name!r}, "
-                            f"{part.__qualname__}).")

@@ -16,19 +16,19 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.fast import FastLlama
 from kvlearn.model import chat_ids, eos_token_ids
-from kvlearn.attention import paged_attention
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
-from kvlearn.serving.guard import guard_attention
-from kvlearn.serving.kv_factories import registered_kv
+from kvlearn.serving.hooks import registered_kv
+from kvlearn.serving.part_registry import served
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
 
@@ -47,10 +47,6 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
 
-    def __repr__(self) -> str:
-        shown = self.text if len(self.text) <= 60 else self.text[:57] + "..."
-        return f"GenerationOutput(r{self.request_id}, {len(self.token_ids)} tokens: {shown!r})"
-
 
 def stats_with_hit_rate(counters: dict, wall_time_s: float) -> dict:
     """Scheduler counters plus hit_rate and wall time (rounded, so they print cleanly)."""
@@ -67,16 +63,15 @@ class Engine:
     `Engine(model, tokenizer, config)` with an `EngineConfig`, or keyword options that are its
     fields (`Engine(model, tokenizer, cache="blocks", num_slots=4096)`); both together: the options
     replace the config's fields. Every option is documented in `kvlearn.serving.config`.
-    `parts={"attention": fn}` serves through the plain path even with `fast=True`: the fast path
-    computes attention its own way (`kvlearn.fast.attention`), so it could not run the learner's.
 
     One caller at a time: an engine is not thread-safe; a second thread that calls `step` or
     `generate` while another is inside one gets a RuntimeError. After `close()`, `generate`,
     `add_request`, `step` and `evict_all` raise RuntimeError.
 
     Parts (`parts={...}`, kvlearn.parts) that are not the package's serve behind guards that check
-    every answer (kvlearn.serving.guard): a wrong one raises `kvlearn.PartError`, the step's
-    requests are aborted, and the engine serves on. The package's own parts are called unguarded.
+    every answer (`kvlearn.serving.part_registry.served`): a wrong one raises `kvlearn.PartError`,
+    the step's requests are aborted, and the engine serves on. `parts={"attention": fn}` serves
+    through the plain path even with `fast=True` (the fast path computes attention its own way).
 
     `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
     requests queued by `add_request` are still running).
@@ -86,22 +81,23 @@ class Engine:
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
-        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built.
+        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built. A
+        # learner's part serves behind its guard (`served`; None: the package's own).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
-                                     page_size=c.page_size, allocator_cls=c.parts.get("allocator"))
+                                     page_size=c.page_size, allocator_cls=served(c.parts, "allocator"))
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path.
         fast = c.fast and "attention" not in c.parts
-        attention = c.parts.get("attention", paged_attention)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
-                                  attention=None if attention is paged_attention else guard_attention(attention))
-        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), else ours.
-        self.kv = registered_kv(c, self.pool, model) or make_kv_manager(c.cache, self.pool, c.max_requests,
-                                                                        parts=c.parts)
-        self.scheduler = c.parts.get("scheduler", Scheduler)(self.kv, c.max_batch_tokens, c.schedule,
-                                                             self.eos_token_ids, chunked_prefill=c.chunked_prefill)
+                                  attention=served(c.parts, "attention"))
+        # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
+        # cache behind its guard, or one of chapter 6's modes.
+        make_kv = served(c.parts, "radix_cache") or served(c.parts, "block_manager") or partial(make_kv_manager, c.cache)
+        self.kv = registered_kv(c, self.pool, model) or make_kv(self.pool, c.max_requests)
+        self.scheduler = (served(c.parts, "scheduler") or Scheduler)(
+            self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids, chunked_prefill=c.chunked_prefill)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.closed = False
@@ -127,16 +123,13 @@ class Engine:
     def _request(self, prompt, max_new_tokens: int) -> Request:
         """A request for a prompt: strings go through the chat template, then every prompt, text or
         ids, is checked the same way (ints, by `Sequence`; inside the model's vocabulary, here)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
-            prompt = chat_ids(self.tokenizer, prompt, plain_text=self.config.plain_text)
-        elif isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        elif not isinstance(prompt, (list, tuple)):
+        prompt = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
+        if not isinstance(prompt, (str, list, tuple)):
             raise TypeError(f"A prompt is a string or a list of token ids, got {type(prompt).__name__}.")
         if not prompt:
             raise ValueError("Empty prompt: give some text or a non-empty list of token ids.")
+        if isinstance(prompt, str):
+            prompt = chat_ids(self.tokenizer, prompt, plain_text=self.config.plain_text)
         req = Request(-1, prompt, max_new_tokens, self.pool.page_size)
         if max(req.token_ids) >= self.vocab_size:
             raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary [0, {self.vocab_size}) of the model: "
@@ -226,23 +219,16 @@ class Engine:
             if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
                 self.reset_stats()
             self._queue(requests)
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
-                           leave=False)
-            try:
-                while any(r.status.live for r in requests):
-                    self._step()
-                    if bar is not None:
-                        bar.n = sum(len(r.output_ids) for r in requests)
-                        bar.refresh()
-            except BaseException:  # this call's requests that still wait leave the queue too
-                self.scheduler.abort(requests)
-                raise
-            finally:
-                if bar is not None:
-                    bar.close()
+            from tqdm.auto import tqdm   # here: a progress bar is its only use, and tqdm.auto looks for Jupyter
+            with tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
+                      leave=False, disable=not progress) as bar:
+                try:
+                    while any(r.status.live for r in requests):
+                        self._step()
+                        bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
+                except BaseException:  # this call's requests that still wait leave the queue too
+                    self.scheduler.abort(requests)
+                    raise
         return [GenerationOutput(r.rid, r.token_ids[:r.num_prompt_tokens], r.output_ids,
                                  self.tokenizer.decode(r.output_ids, skip_special_tokens=True))
                 for r in requests]

@@ -21,8 +21,8 @@ the request leaves, its private slots go back to the pool and its hold on the pr
 
 Invariant (`check`, after every step, `python -O` included): free slots + slots held only by the
 cache (evictable) + slots held by running requests (shared ones once) == pool size. A learner's
-part (kvlearn.parts) that serves here is behind a guard (`kvlearn.serving.guard`); when the
-invariant breaks with one in play, the error names it.
+part (kvlearn.parts) that serves here is behind a guard (`kvlearn.serving.part_registry.served`);
+when the invariant breaks with one in play, the error names it.
 
 Faults: every mutation either completes or, when one of the calls it makes raises, leaves nothing
 half done that a later call cannot finish: `admit` and `grow` undo what they took, and `release`
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlearn.allocator import PageAllocator
 from kvlearn.errors import PartError
 from kvlearn.pool import KVPool, ReqToTokenPool
 from kvlearn.serving.request import Request
@@ -117,9 +118,10 @@ class KVManager(ABC):
         return dict.fromkeys(TIER_STATS, 0)
 
     def foreign_parts(self) -> list[tuple[str, object]]:
-        """Query: (name, part) of the learner's parts whose answers this manager's counts rest on."""
-        pool = self.pool
-        return [] if pool.page_allocator is pool.allocator else [("allocator", pool.allocator)]
+        """Query: (name, part) of the learner's parts whose answers this manager's counts rest on
+        (a guard keeps its part as `part`)."""
+        allocator = self.pool.allocator
+        return [] if type(allocator) is PageAllocator else [("allocator", getattr(allocator, "part", allocator))]
 
     def check(self, running: list[Request]) -> None:
         """Query: slot conservation (free + evictable + in use == pool size) and one row per running

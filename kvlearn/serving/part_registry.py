@@ -6,13 +6,22 @@ A part is what a chapter's build exercise writes and the engine can serve in pla
 suite module `kvlearn.parts.suite_NAME` names its contract, the package's own part and what judges
 it), the package's parts (`kvlearn.parts.PARTS`, and the table in that package's docstring) and the
 build exercises (`kvlearn.exercises.parts.BUILD`). A seventh part is one line here, and its suite.
+
+`served(parts, name)` says what the engine serves as a part: the package's own as it is, a learner's
+only behind the guard kvlearn.parts registers for it (chapter 6's hooks, `kvlearn.serving.hooks`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlearn.allocator import PageAllocator
+from kvlearn.attention import paged_attention
+from kvlearn.blocks import BlockManager
+from kvlearn.radix import RadixCache
 from kvlearn.serving.cache_modes import CACHE_MODES
+from kvlearn.serving.hooks import part_guard
+from kvlearn.serving.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -20,12 +29,13 @@ class PartRecord:
     """One part. `name`: its key in `Engine(parts=...)`, `check(name, ...)` and `%%part name`;
     `chapters`: the chapters that teach it, the last one's build exercise writes it; `exercise`: the
     class (for "attention", the function) that exercise defines; `modes`: the cache modes an engine
-    serves it in (none: checked and drawn, never served)."""
+    serves it in (none: checked and drawn, never served); `package`: the package's own part."""
 
     name: str
     chapters: tuple[int, ...]
     exercise: str
     modes: tuple[str, ...]
+    package: object
 
     @property
     def chapter(self) -> int:
@@ -40,10 +50,25 @@ class PartRecord:
 
 
 REGISTRY = (
-    PartRecord("block_table", (1,), "MyBlockTable", ()),
-    PartRecord("block_manager", (1, 2), "MyBlockManager", ("blocks",)),
-    PartRecord("radix_cache", (3,), "MyRadixCache", ("radix",)),
-    PartRecord("allocator", (4,), "MyAllocator", CACHE_MODES),
-    PartRecord("attention", (5,), "my_paged_attention", CACHE_MODES),
-    PartRecord("scheduler", (6,), "MyScheduler", CACHE_MODES),
+    PartRecord("block_table", (1,), "MyBlockTable", (), BlockManager),   # built with enable_prefix_caching=False
+    PartRecord("block_manager", (1, 2), "MyBlockManager", ("blocks",), BlockManager),
+    PartRecord("radix_cache", (3,), "MyRadixCache", ("radix",), RadixCache),
+    PartRecord("allocator", (4,), "MyAllocator", CACHE_MODES, PageAllocator),
+    PartRecord("attention", (5,), "my_paged_attention", CACHE_MODES, paged_attention),
+    PartRecord("scheduler", (6,), "MyScheduler", CACHE_MODES, Scheduler),
 )
+RECORDS = {part.name: part for part in REGISTRY}
+
+
+def served(parts: dict, name: str):
+    """What serves as the part `name` of `parts` (the engine's option): None for the package's own
+    (not given, or given as the package's), else what its registered guard returns (per part:
+    kvlearn.parts.guarded_kv); ValueError when none is: a learner's part never serves unguarded."""
+    part = parts.get(name)
+    if part is None or part is RECORDS[name].package:
+        return None
+    guard = part_guard(name)
+    if guard is None:
+        raise ValueError(f"parts[{name!r}] has no guard registered (kvlearn.serving.hooks.register_part_guards), "
+                         "and a learner's part serves only behind one: leave it out to serve the package's.")
+    return guard(part)

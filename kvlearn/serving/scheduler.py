@@ -29,12 +29,8 @@ has been computed.
 
 Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
-has it check slot conservation after every step. The scheduler owns each request's `status` and
-`num_computed`; the KV manager owns `req.kv`.
-
-`Scheduler` is `SchedulerBase` (the queues, the report and stats, the mechanics of a preemption and
-an admission, and everything after the forward) plus `schedule()`, the three rules above: the
-part a learner writes in chapter 6 (kvlearn.parts "scheduler").
+has it check slot conservation after every step. `Scheduler` is `SchedulerBase` (the mechanics)
+plus `schedule()`, the three rules above: the part a learner writes in chapter 6.
 """
 
 from __future__ import annotations
@@ -100,9 +96,7 @@ class StepReport:
             parts.append("prefill " + ", ".join(f"r{r} ({c} cached + {n} computed)" for r, c, n in self.prefills))
         if self.chunks:
             parts.append("chunk " + ", ".join(f"r{r} (tokens {s}-{s + n - 1})" for r, s, n in self.chunks))
-        if self.decodes:
-            parts.append("decode " + " ".join(f"r{r}" for r in self.decodes))
-        for label, rids in (("deferred", self.deferred), ("preempted", self.preempted),
+        for label, rids in (("decode", self.decodes), ("deferred", self.deferred), ("preempted", self.preempted),
                             ("finished", self.finished)):
             if rids:
                 parts.append(f"{label} " + " ".join(f"r{r}" for r in rids))
@@ -120,14 +114,8 @@ class SchedulerBase:
     """The scheduler's bookkeeping that chapter 6 does not teach: the queues, the step's report and
     the stats, building the batch, and everything after the forward. A scheduler is this base plus
     `schedule()`, the step's decisions (the package's `Scheduler`, or a learner's `MyScheduler`,
-    kvlearn.parts "scheduler"); the mechanics those decisions call are here:
-
-    - `begin_step()` opens the step's report; `form_batch(prefills, chunks, decodes)` closes it and
-      returns the batch (each a list: (request, tokens to compute now) pairs; decodes: requests);
-    - `preempt(req)` gives a running request's slots back and puts it first in line;
-    - `queue_order()` the waiting requests, in the order to try them, with their cached prefix;
-    - `shares_in_batch(req, cached)` whether it shares an uncomputed prefix with this step's prompts;
-    - `start(req, budget)` admits a waiting request (None, with nothing changed, when the pool is full).
+    kvlearn.parts "scheduler"), which call the mechanics here: `begin_step` first, then `preempt`,
+    `queue_order`, `shares_in_batch` and `start` as they decide, and `form_batch` last.
 
     `waiting` is the queue (a preempted request goes first); `running` holds the requests with KV
     in admission order, so the newest is last. The scheduler owns each request's `status` and

@@ -89,7 +89,7 @@ def torch_works() -> Check:
 def model_wheel() -> Check:
     """The GGUF file is where the wheel says, and its header reads as a GGUF with tensors in it."""
     try:
-        from kvlearn.model import INSTALL_HINT, model_path
+        from kvlearn.model_store import INSTALL_HINT, model_path
     except ImportError as err:
         return Check("FAIL", "model wheel", f"cannot check: {err}", SETUP_FIX)
     try:
@@ -107,7 +107,7 @@ def model_wheel() -> Check:
 
 def converted_model() -> Check:
     try:
-        from kvlearn.model import cache_dir, cache_problem
+        from kvlearn.model_store import cache_dir, cache_problem
     except ImportError as err:
         return Check("FAIL", "converted model", f"cannot check: {err}", SETUP_FIX)
     folder = cache_dir()
@@ -168,7 +168,7 @@ def memory(min_gib: float = MIN_MEMORY_GIB) -> Check:
 
 def disk(min_gib: float = MIN_DISK_GIB) -> Check:
     try:
-        from kvlearn.model import cache_dir
+        from kvlearn.model_store import cache_dir
 
         folder = cache_dir()
     except ImportError:

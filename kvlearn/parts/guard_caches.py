@@ -1,21 +1,5 @@
-"""Chapter 6: trust but verify, the engine's boundary with a learner's parts (kvlearn.parts).
-
-The package's own parts are called as they are: nothing here runs for them. A part that is not the
-package's serves behind a guard that checks every answer before the engine uses it, against an
-account of the guard's own, in code that `python -O` keeps:
-
-- allocator: `kvlearn.pool.AllocatorGuard` (chapter 4; the pool's own account of the pages it holds);
-- radix_cache: `RadixGuard`: which slots the tree holds, for which token at which position, and
-  which of them lie on locked paths;
-- block_manager: `BlockManagerGuard`: which live block table holds each block, and which prefix the
-  KV of each computed block belongs to;
-- attention: `guard_attention(fn)`: the output's shape, dtype and no NaN.
-
-A wrong answer raises `kvlearn.PartError` naming the part, the call, what it returned and what the
-contract says. A guard whose part broke its contract is `broken`: its KV manager (the guarded modes
-in `kvlearn.serving.cache_modes`) asks the part nothing more, releases the requests the step
-aborts from the guard's own account, and, once no request holds KV, empties the part and gives
-back every slot it held (`drop_all`), so the engine serves on.
+"""The guards of a learner's prefix caches (kvlearn.parts "radix_cache" and "block_manager"), as the
+guarded cache modes (`kvlearn.parts.guarded_kv`) call them; what a guard is: `kvlearn.parts.guard`.
 """
 
 from __future__ import annotations
@@ -23,50 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvlearn.errors import PartError
+from kvlearn.parts.guard import Guard, is_int, shown
 from kvlearn.pool import KVPool
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shown(value, edge: int = 8) -> str:
-    """A short picture of a part's answer for an error message (a long list: its ends)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 1 or value.is_floating_point():
-            return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        inner = items if len(items) <= 2 * edge else items[:edge] + ["..."] + items[-edge:]
-        return f"[{', '.join(map(str, inner))}] ({len(items)} items)"
-    return f"{type(value).__name__} {value!r}"[:200]
-
-
-class Guard:
-    """What every guard shares: the part it wraps, and `fail`, which marks the guard broken and
-    raises the PartError (also kept in `error`, so that a part that swallows it in a callback is
-    still caught when its call returns)."""
-
-    name: str   # the part's name ("radix_cache", ...)
-
-    def __init__(self, part):
-        self.part, self.broken, self.error = part, False, None
-
-    def fail(self, call: str, returned: str, contract: str):
-        self.broken = True
-        self.error = PartError(self.name, self.part, call, returned, contract)
-        raise self.error
-
-    def check_int(self, call: str, value, low: int, high: int, what: str) -> int:
-        if not _is_int(value) or not low <= value <= high:
-            self.fail(call, _shown(value), f"{what}: an int in {low} .. {high}")
-        return value
-
-    def raise_swallowed(self) -> None:
-        """After a call that runs the guard's callbacks: the error a callback raised, even if the part caught it."""
-        if self.error is not None:
-            raise self.error
 
 
 class RadixGuard(Guard):
@@ -111,7 +53,7 @@ class RadixGuard(Guard):
         while getattr(node, "parent", None) is not None:
             value = getattr(node, "value", None)
             if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
-                self.fail(call, f"a node whose value is {_shown(value)}", "a node's value is a 1-D int64 tensor of slots")
+                self.fail(call, f"a node whose value is {shown(value)}", "a node's value is a 1-D int64 tensor of slots")
             values.append(value)
             node, steps = node.parent, steps + 1
             if steps > self.pool.num_slots:
@@ -123,12 +65,12 @@ class RadixGuard(Guard):
         pages, and `last_node`'s path holds exactly them."""
         indices = getattr(match, "indices", None)
         if not (isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and indices.dim() == 1):
-            self.fail(call, _shown(match), "a MatchResult whose indices are a 1-D int64 tensor of slots")
+            self.fail(call, shown(match), "a MatchResult whose indices are a 1-D int64 tensor of slots")
         n, rule = len(indices), "a match's slots hold the key's tokens, in order, in slots the tree holds"
         if n > len(key):
-            self.fail(call, f"{_shown(indices)} for a key of {len(key)} tokens", "a match is never longer than its key")
+            self.fail(call, f"{shown(indices)} for a key of {len(key)} tokens", "a match is never longer than its key")
         if n % self.page_size:
-            self.fail(call, f"{_shown(indices)}", f"only whole pages of {self.page_size} tokens are matched")
+            self.fail(call, f"{shown(indices)}", f"only whole pages of {self.page_size} tokens are matched")
         slots = indices.to(self.pool.device)
         if n:
             positions, tokens = self.position[slots], self.token[slots]
@@ -141,10 +83,10 @@ class RadixGuard(Guard):
                        f"slot {s} at position {i} is not the tree's (never inserted, or evicted)" if positions[i] < 0
                        else f"slot {s} at position {i} holds token {int(tokens[i])} of position "
                             f"{int(positions[i])}, but the key has token {key[i]} there")
-                self.fail(call, f"{_shown(indices)} for a key of {len(key)} tokens", f"{rule}: {why}")
+                self.fail(call, f"{shown(indices)} for a key of {len(key)} tokens", f"{rule}: {why}")
         path = self.path_slots(call, getattr(match, "last_node", None))
         if not torch.equal(path, slots):
-            self.fail(call, f"a last_node whose path holds {_shown(path)}, for indices {_shown(indices)}",
+            self.fail(call, f"a last_node whose path holds {shown(path)}, for indices {shown(indices)}",
                       "last_node ends exactly where the match ends: its path holds the match's slots")
         return slots
 
@@ -163,7 +105,7 @@ class RadixGuard(Guard):
         call = f"insert_prefix(a key of {len(key)} tokens)"
         answer = self.part.insert_prefix(key, value)
         if not (isinstance(answer, tuple) and len(answer) == 2):
-            self.fail(call, _shown(answer), "insert_prefix returns (length already cached, MatchResult)")
+            self.fail(call, shown(answer), "insert_prefix returns (length already cached, MatchResult)")
         already, match = answer
         end = len(key) // self.page_size * self.page_size
         self.check_int(call, already, 0, end, "the length already cached")
@@ -172,7 +114,7 @@ class RadixGuard(Guard):
         self.token[new] = torch.tensor(key[already:end], dtype=torch.int64, device=new.device)
         slots = self.check_match(call, key, match)
         if not torch.equal(slots, value[:len(slots)].to(slots.device)) or len(slots) != end:
-            self.fail(call, f"a match of {_shown(match.indices)}", f"after insert the whole key matches ({end} tokens), "
+            self.fail(call, f"a match of {shown(match.indices)}", f"after insert the whole key matches ({end} tokens), "
                       "in the tree's slots for what it had and the given ones for the rest")
         return already, match
 
@@ -185,7 +127,7 @@ class RadixGuard(Guard):
         path = self.path_slots("unlock", node)
         self.part.unlock(node)
         if (self.locks[path] <= 0).any():
-            self.fail("unlock", f"a node whose path holds {_shown(path)}",
+            self.fail("unlock", f"a node whose path holds {shown(path)}",
                       "a locked path keeps its slots until it is unlocked (this one changed)")
         self.locks[path] -= 1
 
@@ -193,22 +135,22 @@ class RadixGuard(Guard):
         path = self.path_slots("unlocked_on_path", node)
         own = int((self.locks[path] == 0).sum())
         n = self.part.unlocked_on_path(node)
-        if n != own or not _is_int(n):
-            self.fail("unlocked_on_path", _shown(n), f"the tokens in unlocked nodes from the node up to the root: {own}")
+        if n != own or not is_int(n):
+            self.fail("unlocked_on_path", shown(n), f"the tokens in unlocked nodes from the node up to the root: {own}")
         return n
 
     def evicted(self, slots) -> None:
         """The tree's `evict_callback`: only unlocked slots the tree holds, each once, go back to the pool."""
         call, rule = "evict (its evict_callback)", "evict hands over the slots of unlocked leaves it holds, once each"
         if not (isinstance(slots, torch.Tensor) and slots.dtype == torch.int64 and slots.dim() == 1):
-            self.fail(call, _shown(slots), f"{rule}, as a node's value (1-D int64)")
+            self.fail(call, shown(slots), f"{rule}, as a node's value (1-D int64)")
         slots = slots.to(self.pool.device)
         if not self.holds(slots).all():
-            self.fail(call, _shown(slots), f"{rule}: slot {int(slots[~self.holds(slots)][0])} is not the tree's")
+            self.fail(call, shown(slots), f"{rule}: slot {int(slots[~self.holds(slots)][0])} is not the tree's")
         if slots.unique().numel() != slots.numel():
-            self.fail(call, _shown(slots), f"{rule}: a slot appears twice")
+            self.fail(call, shown(slots), f"{rule}: a slot appears twice")
         if (self.locks[slots] > 0).any():
-            self.fail(call, _shown(slots), f"{rule}: slot {int(slots[self.locks[slots] > 0][0])} is on a locked path")
+            self.fail(call, shown(slots), f"{rule}: slot {int(slots[self.locks[slots] > 0][0])} is on a locked path")
         self.pool.free(slots)   # first: if the pool refuses, the tree still holds them
         self.position[slots] = -1
         self.token[slots] = -1
@@ -219,16 +161,16 @@ class RadixGuard(Guard):
         freed = self.part.evict(num_tokens)
         self.raise_swallowed()
         call = f"evict({num_tokens})"
-        if freed != self.handed or not _is_int(freed):
-            self.fail(call, _shown(freed), f"evict returns the tokens it handed to evict_callback ({self.handed})")
+        if freed != self.handed or not is_int(freed):
+            self.fail(call, shown(freed), f"evict returns the tokens it handed to evict_callback ({self.handed})")
         if freed < min(num_tokens, evictable):
-            self.fail(call, _shown(freed), f"evict frees at least num_tokens, or every evictable token ({evictable})")
+            self.fail(call, shown(freed), f"evict frees at least num_tokens, or every evictable token ({evictable})")
         return freed
 
     def size(self, name: str, own: int, what: str) -> int:
         n = getattr(self.part, name)
-        if n != own or not _is_int(n):
-            self.fail(name, _shown(n), f"it counts the tokens {what}: {own} by the engine's account")
+        if n != own or not is_int(n):
+            self.fail(name, shown(n), f"it counts the tokens {what}: {own} by the engine's account")
         return n
 
     @property
@@ -285,7 +227,7 @@ class BlockManagerGuard(Guard):
 
     def new_part(self):
         return self.part_cls(self.num_blocks, self.block_size, enable_prefix_caching=True,
-                             allocator=self.pool.page_allocator)
+                             allocator=self.pool.allocator)
 
     def forget(self) -> None:
         self.tables: dict[int, list[int]] = {}
@@ -300,17 +242,17 @@ class BlockManagerGuard(Guard):
         need = -(-len(seq.token_ids) // size)
         rule = f"a table holds one block per {size} tokens ({need} here)"
         if not isinstance(table, list) or len(table) != need or table[:len(before)] != before:
-            self.fail(call, f"block_table {_shown(table)}", f"{rule}, and keeps the blocks it had")
-        bad = [b for b in table if not _is_int(b) or not 0 <= b < self.num_blocks]
+            self.fail(call, f"block_table {shown(table)}", f"{rule}, and keeps the blocks it had")
+        bad = [b for b in table if not is_int(b) or not 0 <= b < self.num_blocks]
         if bad or len(set(table)) != len(table):
-            self.fail(call, f"block_table {_shown(table)}", f"{rule}: distinct block ids in 0 .. {self.num_blocks - 1}")
+            self.fail(call, f"block_table {shown(table)}", f"{rule}: distinct block ids in 0 .. {self.num_blocks - 1}")
         return table
 
     def take(self, call: str, seq, table: list[int], start: int) -> None:
         """Record `seq`'s table, `table[start:]` new blocks (no other live table may hold one)."""
         shared = [b for b in table[start:] if self.holders[b]]
         if shared:
-            self.fail(call, f"block_table {_shown(table)}", f"a new block belongs to that sequence alone: block "
+            self.fail(call, f"block_table {shown(table)}", f"a new block belongs to that sequence alone: block "
                       f"{shared[0]} is in another live table")
         for b in table[start:]:
             self.content.pop(b, None)   # its KV is about to be written anew
@@ -333,7 +275,7 @@ class BlockManagerGuard(Guard):
 
     def answer_bool(self, call: str, value) -> bool:
         if not isinstance(value, bool):
-            self.fail(call, _shown(value), "a query that answers True or False")
+            self.fail(call, shown(value), "a query that answers True or False")
         return value
 
     def allocate(self, seq) -> None:
@@ -348,7 +290,7 @@ class BlockManagerGuard(Guard):
             hits = cached // self.block_size
             for i, key in enumerate(_prefix_keys(seq.token_ids, self.block_size, hits)):
                 if self.content.get(table[i]) != key:
-                    self.fail(call, f"block_table {_shown(table)} with {cached} cached tokens", f"a cached block "
+                    self.fail(call, f"block_table {shown(table)} with {cached} cached tokens", f"a cached block "
                               f"holds the KV of that very prefix: block {table[i]} (logical block {i}) does not")
             self.take(call, seq, table, hits)
         except PartError:   # the sequence stays unallocated (it waits); the part is dropped (drop_all)
@@ -373,7 +315,7 @@ class BlockManagerGuard(Guard):
     def deallocate(self, seq) -> None:
         self.part.deallocate(seq)
         if seq.block_table:
-            self.fail("deallocate", f"block_table {_shown(seq.block_table)}", "deallocate empties the sequence's table")
+            self.fail("deallocate", f"block_table {shown(seq.block_table)}", "deallocate empties the sequence's table")
         self.hold(self.tables.pop(seq.seq_id), -1)
 
     def num_cached_prefix(self, token_ids) -> int:
@@ -383,8 +325,8 @@ class BlockManagerGuard(Guard):
     @property
     def num_free_blocks(self) -> int:
         n, own = self.part.num_free_blocks, self.num_blocks - self.num_used
-        if n != own or not _is_int(n):
-            self.fail("num_free_blocks", _shown(n), f"the blocks no live table holds: {own} by the engine's account")
+        if n != own or not is_int(n):
+            self.fail("num_free_blocks", shown(n), f"the blocks no live table holds: {own} by the engine's account")
         return n
 
     @property
@@ -405,27 +347,8 @@ class BlockManagerGuard(Guard):
         """After a PartError, with no table live: every used page goes back to the pool, and a fresh
         manager of the learner's class takes over."""
         pages = torch.arange(self.num_blocks, dtype=torch.int64, device=self.pool.device)
-        used = pages[~self.pool.page_allocator.is_free(pages)]
+        used = pages[~self.pool.allocator.is_free(pages)]
         self.pool.free(self.pool.slots_of(used))
         self.part = self.new_part()
         self.forget()
         self.broken, self.error = False, None
-
-
-def guard_attention(fn):
-    """A learner's attention function (kvlearn.parts "attention") with its output checked in every
-    layer: [T, heads, head_dim] like the query, the query's dtype and device, no NaN."""
-
-    def guarded(query, key, value, layer, kv_pool, md, scale=None):
-        out = fn(query, key, value, layer, kv_pool, md, scale)
-        call = f"attention(layer {layer}, {query.shape[0]} tokens)"
-        if not (isinstance(out, torch.Tensor) and out.shape == query.shape and out.dtype == query.dtype
-                and out.device == query.device):
-            raise PartError("attention", fn, call, _shown(out), f"it returns [T, heads, head_dim] = "
-                            f"{list(query.shape)} of {query.dtype} on {query.device}, like the query")
-        if torch.isnan(out).any():
-            raise PartError("attention", fn, call, "NaN in its output", "attention of finite inputs is finite")
-        return out
-
-    guarded.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
-    return guarded

@@ -1,0 +1,49 @@
+"""Chapter 6's ways in for what the engine never imports: later chapters' KV managers and the guards
+of a learner's parts, registered by `kvlearn/__init__`; this module imports nothing.
+
+- KV factories: the engine asks each registered `factory(options, pool, model) -> KVManager | None`,
+  in order, for its KV manager; the first that returns one wins, and with none the engine takes one
+  of its own cache modes (`kvlearn.serving.cache_modes`). `options` is the engine's `EngineConfig`,
+  `pool` its KV pool and `model` its model; a factory returns None when the options do not ask for
+  its kind of manager (chapter 8's tiers: `kvlearn.tiers.make_tiered_kv`).
+- Part guards: a registered `table()` returns {part name: guard}, asked only when a learner's part
+  is given (kvlearn.parts' `GUARDS`); `kvlearn.serving.part_registry.served` says what a guard returns.
+"""
+
+_FACTORIES: list = []
+_GUARD_TABLES: list = []
+
+
+def _register(registry: list, hook, what: str) -> None:
+    if not callable(hook):
+        raise TypeError(f"{what} must be callable, got {type(hook).__name__}.")
+    if hook not in registry:   # once: registering it again changes nothing
+        registry.append(hook)
+
+
+def register_kv_factory(factory) -> None:
+    """Add `factory(options, pool, model)` to the ones the engine asks."""
+    _register(_FACTORIES, factory, "a KV factory (options, pool, model)")
+
+
+def registered_kv(options, pool, model):
+    """The KV manager of the first registered factory that returns one, or None."""
+    for factory in _FACTORIES:
+        kv = factory(options, pool, model)
+        if kv is not None:
+            return kv
+    return None
+
+
+def register_part_guards(table) -> None:
+    """Add `table() -> {part name: guard(part)}` to the tables of part guards."""
+    _register(_GUARD_TABLES, table, "a table of part guards ()")
+
+
+def part_guard(name: str):
+    """The guard of the first registered table that has one for the part `name`, or None."""
+    for table in _GUARD_TABLES:
+        guard = table().get(name)
+        if guard is not None:
+            return guard
+    return None
