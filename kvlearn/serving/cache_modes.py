@@ -203,7 +203,7 @@ class BlockKV(KVManager):
             return None
         self.manager.allocate(req)  # fills req.block_table and req.num_cached_tokens
         try:
-            self._open_row(req, self._table_slots(req.block_table), req.num_cached_tokens)
+            self._open_row(req, self._table_slots(req.block_table))
         except BaseException:
             self.manager.deallocate(req)
             raise

@@ -18,6 +18,9 @@ After a forward, a caching mode may hand the computed head of the row to the cac
 - the others: the cache takes the request's slots as they are;
 so `prefix_len` grows to the computed length (whole pages; an unaligned tail stays private). When
 the request leaves, its private slots go back to the pool and its hold on the prefix is released.
+What has KV takes one counter per question: `num_computed` (where the next forward starts),
+`prefill_len` (where the prompt ends), `prefix_len` (which slots are the cache's: "none", "radix")
+and, in blocks mode, chapter 2's `num_cached_tokens` (the hit) in its place.
 
 Invariant (`check`, after every step, `python -O` included): free slots + slots held only by the
 cache (evictable) + slots held by running requests (shared ones once) == pool size. A learner's
@@ -52,7 +55,7 @@ class KVHandle:
 
     row: int                 # its row in the manager's ReqToTokenPool
     num_slots: int = 0       # slots in the row (whole pages): at least the tokens with KV
-    prefix_len: int = 0      # leading slots owned by the cache, borrowed by the request
+    prefix_len: int = 0      # "none"/"radix": leading slots the cache owns, borrowed (blocks: 0)
     last_node: object = None  # radix: the locked tree node where the borrowed prefix ends
 
 
@@ -180,7 +183,7 @@ class KVManager(ABC):
     def _pages(self, n: int) -> int:
         return -(-n // self.page_size)
 
-    def _open_row(self, req: Request, slots: torch.Tensor, prefix_len: int, last_node=None) -> None:
+    def _open_row(self, req: Request, slots: torch.Tensor, prefix_len: int = 0, last_node=None) -> None:
         """Record the request's slots in a fresh row (the caller checked a row is free)."""
         req.kv = KVHandle(self.rows.alloc(slots), len(slots), prefix_len, last_node)
 
