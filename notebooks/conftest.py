@@ -14,7 +14,7 @@ solutions'. Then the item "student verdicts" asserts what a learner meets: every
 yet" (two or more per chapter, the capstone aside), each build exercise's skeleton is saved and
 its check_part says "Not yet", the cells that drive a part run on the package's (`use` says so),
 and, after the last chapter, no part saved in my_parts/ passes. The chapters run in order in one
-process (one xdist group): chapter 9 reads the parts that chapters 1-6 saved.
+process (../conftest.py): chapter 9 reads the parts that chapters 1-6 saved.
 """
 
 from __future__ import annotations
@@ -135,10 +135,8 @@ class StudentVerdicts(pytest.Item):
         return self.path, 0, f"{self.path.relative_to(self.config.rootpath)}::{self.name}"
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist names the items by their group
 def pytest_collection_modifyitems(session, config, items):
-    """Each chapter's student items right after nbval's last cell of it, in the same kernel; every
-    notebook item in one xdist group, so the chapters run in order in one process."""
+    """Each chapter's student items right after nbval's last cell of it, in the same kernel."""
     chapters = defaultdict(list)   # IPyNbFile -> its nbval items, in order
     for item in items:
         if isinstance(item, IPyNbCell) and CHAPTER.fullmatch(item.path.name):
@@ -147,9 +145,6 @@ def pytest_collection_modifyitems(session, config, items):
     for number, (nbfile, teacher_items) in enumerate(chapters.items(), 1):
         at = items.index(teacher_items[-1]) + 1
         items[at:at] = student_items(nbfile, teacher_items, runs, last=number == len(chapters))
-    for item in items:
-        if isinstance(item, (IPyNbCell, StudentVerdicts)):
-            item.add_marker(pytest.mark.xdist_group("notebooks"))
 
 
 def student_items(nbfile: IPyNbFile, teacher_items: list[IPyNbCell], runs: list[StudentRun], last: bool) -> list:

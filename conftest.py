@@ -1,0 +1,39 @@
+"""How `make test` shares the suite between two pytest-xdist workers (pyproject.toml: `-n 2 --dist
+loadfile`): a test file runs in one worker, in order, and so do all the notebooks, one after another
+(chapter 9 serves the parts that chapters 1-6 save in notebooks/my_parts/, and notebooks/conftest.py
+runs the student copies in one folder, chapter after chapter), and so do the two site test files
+(they share the site that tests/conftest.py builds once per worker). Each worker computes with one
+torch thread, so two of them fill two cores; the notebooks' kernels keep torch's default, the one
+their outputs were recorded with."""
+
+import os
+
+import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def work_unit(nodeid: str) -> str:
+    """The scope a test runs in: its file, "notebooks" for every notebook, "site" for both site files."""
+    path = nodeid.split("::", 1)[0]
+    if path.endswith(".ipynb"):
+        return "notebooks"
+    return "site" if os.path.basename(path).startswith("test_site") else path
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class CourseScheduling(LoadFileScheduling):
+        """xdist's loadfile with the work units of `work_unit` (largest first, as loadfile does)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return CourseScheduling(config, log)
