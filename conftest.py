@@ -1,10 +1,10 @@
 """How `make test` shares the suite between two pytest-xdist workers (pyproject.toml: `-n 2 --dist
-loadfile`): a test file runs in one worker, in order, and so do all the notebooks, one after another
-(chapter 9 serves the parts that chapters 1-6 save in notebooks/my_parts/, and notebooks/conftest.py
-runs the student copies in one folder, chapter after chapter), and so do the two site test files
-(they share the site that tests/conftest.py builds once per worker). Each worker computes with one
-torch thread, so two of them fill two cores; the notebooks' kernels keep torch's default, the one
-their outputs were recorded with."""
+loadfile --no-loadscope-reorder`): a test file runs in one worker, in order, and so do all the
+notebooks, one after another (chapter 9 serves the parts that chapters 1-6 save in
+notebooks/my_parts/, and notebooks/conftest.py runs the student copies in one folder, chapter after
+chapter), and so do the two site test files (they share the site that tests/conftest.py builds once
+per worker). Each worker computes with one torch thread, so two of them fill two cores; the
+notebooks' kernels keep torch's default, the one their outputs were recorded with."""
 
 import os
 
@@ -24,6 +24,15 @@ def work_unit(nodeid: str) -> str:
     return "site" if os.path.basename(path).startswith("test_site") else path
 
 
+def pytest_collection_modifyitems(items):
+    """In a worker: the notebooks first, then the files that hold a slow test, then the rest (each
+    group in collection order), so that no long file is left to run alone at the end."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+        unit = {id(item): work_unit(item.nodeid) for item in items}
+        items.sort(key=lambda item: (unit[id(item)] != "notebooks", unit[id(item)] not in slow))
+
+
 @pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
@@ -31,7 +40,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class CourseScheduling(LoadFileScheduling):
-        """xdist's loadfile with the work units of `work_unit` (largest first, as loadfile does)."""
+        """xdist's loadfile with the units of `work_unit`, in collection order (--no-loadscope-reorder)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
