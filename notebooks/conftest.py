@@ -121,10 +121,10 @@ class StudentVerdicts(pytest.Item):
         if any(USES_A_PART.search(source) for source, _ in cells):
             assert any("(using the package's" in text for _, text in shown), "use() did not fall back"
         if self.runs is not None:
-            saved = {PART_CELL.match(source)[1] for r in self.runs for source, _ in r.ran.values()
-                     if PART_CELL.match(source)}
+            written = {PART_CELL.match(source)[1] for r in self.runs for source, _ in r.ran.values()
+                       if PART_CELL.match(source)}
             rows = gather_parts(folder / "my_parts")
-            assert [r.verdict for r in rows] == ["fails check" if r.name in saved else "missing" for r in rows], rows
+            assert [r.verdict for r in rows] == ["fails check" if r.name in written else "missing" for r in rows], rows
 
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, AssertionError):   # the message says it all; pytest's frames do not
