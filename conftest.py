@@ -24,13 +24,23 @@ def work_unit(nodeid: str) -> str:
     return "site" if os.path.basename(path).startswith("test_site") else path
 
 
+def uses_hypothesis(item) -> bool:
+    """Whether the item's test module draws examples with hypothesis (1,000 per property)."""
+    module = getattr(item, "module", None)
+    return module is not None and any(getattr(value, "__module__", "").startswith("hypothesis")
+                                      for value in vars(module).values())
+
+
 def pytest_collection_modifyitems(items):
-    """In a worker: the notebooks first, then the files that hold a slow test, then the rest (each
-    group in collection order), so that no long file is left to run alone at the end."""
+    """In a worker, the longest units first, so that none is left to run alone at the end: the
+    notebooks, then the files that hold a slow test, then those that use hypothesis, then the rest
+    (each group in collection order)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        slow = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
         unit = {id(item): work_unit(item.nodeid) for item in items}
-        items.sort(key=lambda item: (unit[id(item)] != "notebooks", unit[id(item)] not in slow))
+        slow = {unit[id(item)] for item in items if item.get_closest_marker("slow")}
+        drawn = {unit[id(item)] for item in items if uses_hypothesis(item)}
+        items.sort(key=lambda item: (unit[id(item)] != "notebooks", unit[id(item)] not in slow,
+                                     unit[id(item)] not in drawn))
 
 
 @pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist
