@@ -3,17 +3,19 @@ loadfile --no-loadscope-reorder`): a test file runs in one worker, in order, and
 notebooks, one after another (chapter 9 serves the parts that chapters 1-6 save in
 notebooks/my_parts/, and notebooks/conftest.py runs the student copies in one folder, chapter after
 chapter), and so do the two site test files (they share the site that tests/conftest.py builds once
-per worker). Each worker computes with one torch thread, so two of them fill two cores; the
-notebooks' kernels keep torch's default, the one their outputs were recorded with."""
+per worker). Each worker computes with one torch thread (OMP_NUM_THREADS, unless set), and so do
+the notebooks' kernels it starts: next to a busy core, more threads made a chapter several times
+slower (tests/test_browser.py), and chapters 0, 5 and 6 give their recorded outputs with one."""
 
 import os
 
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")   # also for the notebooks' kernels, started from here
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def work_unit(nodeid: str) -> str:
