@@ -1,4 +1,4 @@
-"""Shared fixtures: the real model is loaded once per test session; hypothesis profiles; nbval."""
+"""Shared fixtures: the real model is loaded once per test session (per worker under xdist); hypothesis profiles."""
 
 import os
 

@@ -268,28 +268,6 @@ def test_bad_paths_give_one_line_and_exit_2(one_chapter, bad, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err and ("--src" in err or "--dest" in err)
 
 
-@pytest.mark.parametrize("chapter, part", [("03", "radix_cache"), ("04", "allocator")])
-def test_a_student_copy_with_a_build_exercise_runs_top_to_bottom(copies, chapter, part, tmp_path, monkeypatch):
-    """In a real kernel: the skeleton part fails check_part ("Not yet"), every other exercise says
-    "Not yet" too, and the cells that drive the part run on the package's (`use` says so)."""
-    from kvlearn.workshop.course import run_notebook
-
-    monkeypatch.setenv("KVLEARN_FIGURES", str(tmp_path / "figures"))
-    _, student = copies[chapter]
-    path = tmp_path / f"{chapter}.ipynb"
-    nbformat.write(student, path)
-    nb = nbformat.read(path, as_version=4)
-    run = run_notebook(path, nb=nb)
-    assert run.passed, run.error
-    verdicts = [c for c in nb.cells if c.cell_type == "code" and any(
-        NOT_YET in o.get("text", "") for o in c.outputs)]
-    assert run.solved == 0 and run.exercises == len(verdicts) >= 2
-    assert any(f'check_part("{part}"' in c.source for c in verdicts)
-    shown = json.dumps([c.outputs for c in nb.cells if c.cell_type == "code"])
-    assert "(using the package's" in shown
-    assert (tmp_path / "my_parts" / f"{part}.py").read_text().startswith("import torch")
-
-
 BUILD_CELL = f'''%%part allocator
 import torch
 

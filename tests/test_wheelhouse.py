@@ -75,7 +75,7 @@ def test_wheelhouse_then_install_offline(tmp_path):
         python = venv / "bin" / "python"
         t0 = time.perf_counter()
         out = _run([python, "-c",
-                    "import torch, transformers, gguf, ipywidgets, nbval, kvlearn, pip\n"
+                    "import torch, transformers, gguf, ipywidgets, nbval, xdist, kvlearn, pip\n"
                     "print(pip.__version__); print(kvlearn.model_path())"],
                    offline, timeout=300).stdout.split()
         times["imports"] = time.perf_counter() - t0
