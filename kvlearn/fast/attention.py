@@ -20,7 +20,7 @@ costs large; this module removes them and computes the same attention.
 Two more cuts, each the same attention. A decode group (one new token per sequence) calls SDPA on
 its queries as they are, with its mask turned into an additive bias once per step, not once per
 layer. A group that is one whole prompt with nothing cached attends over its own new K and V, just
-written to the pool, with SDPA's causal mask: no gather, no mask, and SDPA skips the masked half.
+written to the pool, with SDPA's causal flag: no gather and no mask to read.
 
 `FastStep.build` plans a step once (chapter 5's metadata of the whole step, its groups and their
 masks); `fast_paged_attention` runs one layer of it with no host syncs.
