@@ -13,6 +13,7 @@ from kvlearn.fast.attention import SHARED_MIN, FastStep, fast_paged_attention
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
+from kvlearn.serving.engine import Engine
 from kvlearn.serving.workloads import make_workload
 from tests.hf_reference import hf_greedy
 
@@ -41,29 +42,37 @@ def hf_last_logits(model, ids):
         return model(torch.tensor([ids], device=model.device)).logits[0, -1]
 
 
+@pytest.mark.parametrize("one_run", [True, False])
 @pytest.mark.parametrize("own", [[5, 20, 40, 3], [0, 9]])
-def test_a_shared_prefix_is_read_once_with_the_same_result(own):
+def test_a_shared_prefix_is_read_once_with_the_same_result(own, one_run):
     """A decode step of sequences whose contexts start with the same 100 slots: the cascade (shared
-    part gathered and scored once) equals chapter 5's one SDPA over each sequence's whole context."""
+    part read and scored once: a view of the pool when its slots are one run, else gathered) equals
+    chapter 5's one SDPA over each sequence's whole context."""
     q_lens = [1] * len(own)
     torch.manual_seed(0)
     pool = KVPool(2, 3, 64, 1024)
     pool.kv.normal_()
     shared = pool.alloc(100)
+    if not one_run:
+        shared = shared.flip(0)
     slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens)]
     step = FastStep.build(q_lens, slots)
-    assert len(step.groups) == 1 and step.groups[0].shared_len == 100 >= SHARED_MIN
+    group = step.groups[0]
+    assert len(step.groups) == 1 and group.kind == "cascade" and group.shared_len == 100 >= SHARED_MIN
+    assert isinstance(group.shared, slice) == one_run
     q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
     cascade = fast_paged_attention(q, k, v, 1, pool, step, scale=0.125)
     one_sdpa = paged_attention(q, k, v, 1, pool, AttentionMetadata.build(q_lens, slots), scale=0.125)
     assert (cascade - one_sdpa).abs().max() <= 1e-5
 
 
-def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result():
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float64])
+def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result(pool_dtype):
     """Prefills apart from decodes, and contexts more than PAD_RATIO apart in different groups, each
-    padded only to its own longest; the result equals chapter 5's one SDPA over the whole padded step."""
+    padded only to its own longest; the result equals chapter 5's one SDPA over the whole padded step.
+    The fresh prompt reads its own new K/V when the pool keeps them as they are, else the pool."""
     torch.manual_seed(0)
-    pool = KVPool(2, 3, 64, 1024)
+    pool = KVPool(2, 3, 64, 1024, dtype=pool_dtype)
     pool.kv.normal_()
     q_lens = [60, 5, 1, 1, 1]
     slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
@@ -71,6 +80,7 @@ def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_sam
     groups = [(g.tokens.tolist(), g.md.kv_lens.tolist(), tuple(g.md.mask.shape[2:])) for g in step.groups]
     assert groups == [(list(range(60)), [60], (60, 60)), (list(range(60, 65)), [25], (5, 25)),
                       ([66, 65], [70, 40], (1, 70)), ([67], [9], (1, 9))]
+    assert [g.kind for g in step.groups] == ["fresh", "padded", "decode", "decode"]
     similar = FastStep.build([1, 1, 1], [slots[2], slots[3], slots[2]])
     assert len(similar.groups) == 1 and similar.groups[0].tokens is None  # similar: one group, the whole step
     q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
@@ -122,6 +132,21 @@ def test_fast_greedy_equals_hugging_face_generate_on_the_shared_system_workload(
     assert mismatches == [], mismatches
     assert len(ties) <= 1, ties  # an exact float tie may go either way; more would be suspicious
     assert fast_runner.pool.num_free == fast_runner.pool.num_slots
+
+
+@pytest.mark.parametrize("cache", ["radix", "blocks", "none"])
+def test_fast_and_plain_engines_give_hugging_face_tokens_in_every_cache_mode(model, tokenizer, cache):
+    """Served by the engine: a shared system prompt (a prompt prefilled alone, then prefills after a
+    cached prefix, decodes over a shared prefix or not), the same greedy tokens on both paths as HF."""
+    workload = make_workload("shared_system", tokenizer, num_requests=4)
+    reference = [hf_greedy(model, p, 8) for p in workload.prompts]
+    results = [SystemResult("hf", reference, 1.0)]
+    for fast in (True, False):
+        engine = Engine(model, tokenizer, cache=cache, num_slots=2048, fast=fast)
+        results.append(SystemResult(f"fast={fast}", [o.token_ids for o in engine.generate(
+            workload.prompt_lists(), max_new_tokens=8)], 1.0))
+    mismatches, ties = compare_tokens(results, workload, model)
+    assert mismatches == [] and ties == [], (mismatches, ties)
 
 
 def test_the_model_is_left_exactly_as_found(model, prompts):

@@ -17,8 +17,13 @@ costs large; this module removes them and computes the same attention.
   with a prefill keep the single SDPA: there the products, not the copies, dominate, and SDPA's
   fused kernel does them better.
 
-`FastStep.build` plans a step once (chapter 5's metadata of the whole step, and its groups);
-`fast_paged_attention` runs one layer of it.
+Two more cuts, each the same attention. A decode group (one new token per sequence) calls SDPA on
+its queries as they are, with its mask turned into an additive bias once per step, not once per
+layer. A group that is one whole prompt with nothing cached attends over its own new K and V, just
+written to the pool, with SDPA's causal flag: no gather and no mask to read.
+
+`FastStep.build` plans a step once (chapter 5's metadata of the whole step, its groups and their
+masks); `fast_paged_attention` runs one layer of it with no host syncs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
 from kvlearn.attention import AttentionMetadata, attend
 
@@ -40,32 +46,49 @@ SHARED_MIN = 32
 
 @dataclass(frozen=True)
 class Group:
-    """Sequences attended together.
+    """Sequences attended together, planned once per step for every layer.
 
-    tokens         their places in the step's packed row; None when the group is the whole step
-    md             their chapter 5 metadata, padded only to their own longest
-    shared_len     in a decode group (one new token each, more than one sequence), the leading
-                   context slots identical in every sequence; 0 below SHARED_MIN and with a prefill
-    cascade_index  [P + B*(Lmax-P)] with shared_len P > 0: the slots a cascade gathers, the shared
-                   prefix once and then each sequence's own (padded) rest; else None
+    tokens      their places in the step's packed row; None when the group is the whole step
+    md          their chapter 5 metadata, padded only to their own longest
+    kind        "cascade": a decode group whose contexts share `shared_len` >= SHARED_MIN leading
+                slots; "decode": another decode group (one new token per sequence); "fresh": one
+                sequence whose context is only its new tokens; "padded": the rest (chapter 5's attend)
+    shared_len  with "cascade", the leading context slots identical in every sequence; else 0
+    shared      with "cascade", those slots: a slice when they are one run of the pool, else a tensor
+    own_index   with "cascade", [B*(Lmax-P)] each sequence's own (padded) rest of its context
+    bias        with "cascade" [B, 1, Lmax-P] (the own rest), with "decode" [B, 1, 1, Lmax]: 0 where a
+                query may attend, -inf elsewhere; else None
     """
 
     tokens: torch.Tensor | None
     md: AttentionMetadata
+    kind: str = "padded"
     shared_len: int = 0
-    cascade_index: torch.Tensor | None = None
+    shared: slice | torch.Tensor | None = None
+    own_index: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, tokens: torch.Tensor | None, md: AttentionMetadata, query_lens: list[int]) -> "Group":
-        """The group of the sequences `md` describes, with its shared prefix found."""
-        if max(query_lens) > 1 or len(query_lens) == 1:
+    def build(cls, tokens: torch.Tensor | None, md: AttentionMetadata, query_lens: list[int],
+              kv_lens: list[int]) -> "Group":
+        """The group of the sequences `md` describes (`query_lens`, `kv_lens` theirs), planned."""
+        if len(query_lens) == 1 and query_lens[0] == kv_lens[0] > 1:
+            return cls(tokens, md, "fresh")
+        if max(query_lens) > 1:
             return cls(tokens, md)
+        bias = torch.zeros(md.mask.shape, dtype=torch.float32, device=md.mask.device).masked_fill_(~md.mask, float("-inf"))
+        if len(query_lens) == 1:
+            return cls(tokens, md, "decode", bias=bias)
         # The shared prefix: slots equal to sequence 0's, before every new token.
-        padded, cached = md.kv_indices, int(md.kv_lens.min()) - 1
+        padded, cached = md.kv_indices, min(kv_lens) - 1
         shared_len = int((padded[:, :cached] == padded[:1, :cached]).all(0).int().cumprod(0).sum())
         if shared_len < SHARED_MIN:
-            return cls(tokens, md)
-        return cls(tokens, md, shared_len, torch.cat([padded[0, :shared_len], padded[:, shared_len:].reshape(-1)]))
+            return cls(tokens, md, "decode", bias=bias)
+        first = padded[0, :shared_len]
+        run = bool((first == first[0] + torch.arange(shared_len, device=first.device)).all())
+        shared = slice(int(first[0]), int(first[0]) + shared_len) if run else first
+        return cls(tokens, md, "cascade", shared_len, shared, padded[:, shared_len:].reshape(-1),
+                   bias[:, 0, :, shared_len:])
 
 
 @dataclass(frozen=True)
@@ -80,14 +103,15 @@ class FastStep:
     def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "FastStep":
         """The step `AttentionMetadata.build(query_lens, kv_indices, device)` describes, planned."""
         md = AttentionMetadata.build(query_lens, kv_indices, device)
-        groups = _similar_groups(query_lens, [len(ix) for ix in kv_indices])
+        kv_lens = [len(ix) for ix in kv_indices]
+        groups = _similar_groups(query_lens, kv_lens)
         if len(groups) == 1:
-            return cls(md, (Group.build(None, md, query_lens),))
+            return cls(md, (Group.build(None, md, query_lens, kv_lens),))
         device, starts = md.kv_indices.device, [0, *accumulate(query_lens)]   # sequence i's place in the row
         return cls(md, tuple(
             Group.build(torch.tensor([starts[i] + j for i in g for j in range(query_lens[i])], device=device),
                         AttentionMetadata.build([query_lens[i] for i in g], [kv_indices[i] for i in g], device),
-                        [query_lens[i] for i in g])
+                        [query_lens[i] for i in g], [kv_lens[i] for i in g])
             for g in groups))
 
 
@@ -95,11 +119,14 @@ def fast_paged_attention(query, key, value, layer: int, kv_pool, step: FastStep,
     """`kvlearn.attention.paged_attention` over a planned step: the same inputs and result."""
     kv_pool.write(layer, step.md.slot_mapping, key, value)
     k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
+    # A fresh prompt may read its K/V from the inputs only when the pool keeps them unrounded.
+    fresh_ok = kv_pool.dtype == key.dtype
     if len(step.groups) == 1:
-        return _attend_group(query, k_cache, v_cache, step.groups[0], scale)
+        return _attend_group(query, key, value, k_cache, v_cache, step.groups[0], scale, fresh_ok)
     out = torch.empty_like(query)
     for group in step.groups:  # every new token's K/V is in the pool now: each group reads what it needs
-        out[group.tokens] = _attend_group(query[group.tokens], k_cache, v_cache, group, scale)
+        t = group.tokens
+        out[t] = _attend_group(query[t], key[t], value[t], k_cache, v_cache, group, scale, fresh_ok)
     return out
 
 
@@ -125,31 +152,46 @@ def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]
     return groups
 
 
-def _attend_group(query, k_cache, v_cache, group: Group, scale: float) -> torch.Tensor:
-    if group.shared_len:
+def _attend_group(query, key, value, k_cache, v_cache, group: Group, scale: float, fresh_ok: bool) -> torch.Tensor:
+    """The group's attention: query [T, heads, D] its new tokens, key and value [T, kv_heads, D] theirs."""
+    if group.kind == "cascade":
         return _cascade_attention(query, k_cache, v_cache, group, scale)
+    if group.kind == "decode":
+        k, v = (c.index_select(0, group.md.kv_indices.reshape(-1)).view(*group.md.kv_indices.shape, *c.shape[1:])
+                .transpose(1, 2).to(query.dtype) for c in (k_cache, v_cache))            # [B, kv, L, D]
+        out = F.scaled_dot_product_attention(query[:, :, None], k, v, attn_mask=group.bias.to(query.dtype), scale=scale,
+                                             enable_gqa=True)                              # [B, heads, 1, D]
+        return out[:, :, 0]
+    if group.kind == "fresh" and fresh_ok:
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))                  # [1, heads, T, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     return attend(query, k_cache, v_cache, group.md, scale)
 
 
 def _cascade_attention(query, k_cache, v_cache, group: Group, scale: float) -> torch.Tensor:
     """Decode attention (query [B, heads, D], one new token per sequence) over contexts whose first
-    `group.shared_len` slots are the same for all: one gather of the shared prefix and every
-    sequence's own rest (`group.cascade_index`), the prefix scored once for the whole batch, one
-    softmax over both parts. Query head h reads KV head h // (heads // kv_heads), as in SDPA's
-    enable_gqa. Every product is batched over a leading dimension of views, so a layer costs a dozen
-    tensor operations."""
+    `group.shared_len` slots are the same for all: the shared prefix read once (a view of the pool
+    when its slots are one run) and scored once for the whole batch, every sequence's own rest
+    gathered (`group.own_index`), one softmax over both parts. Query head h reads KV head
+    h // (heads // kv_heads), as in SDPA's enable_gqa. Everything is laid out KV head first
+    ([kv, ...]) so that every product is a `bmm` over views, without copies."""
     batch, heads, dim = query.shape
     kv_heads, shared = k_cache.shape[1], group.shared_len
     per_kv = heads // kv_heads                                             # query heads per KV head
-    k, v = (c.index_select(0, group.cascade_index).to(query.dtype) for c in (k_cache, v_cache))
-    k_shared, v_shared = k[:shared].transpose(0, 1), v[:shared].transpose(0, 1)           # [kv, P, D]
-    k_own, v_own = (x[shared:].view(batch, -1, kv_heads, dim).transpose(1, 2) for x in (k, v))  # [B, kv, L-P, D]
-    q = query.reshape(batch, kv_heads, per_kv, dim)
-    s_shared = q.transpose(0, 1).reshape(kv_heads, batch * per_kv, dim) @ k_shared.transpose(1, 2)
-    s_own = (q @ k_own.transpose(2, 3)).transpose(0, 1)                    # [kv, B, per_kv, L-P]
-    scores = torch.cat([s_shared.view(kv_heads, batch, per_kv, shared), s_own], dim=-1).float() * scale
-    scores = scores.masked_fill(~group.md.mask[:, 0].view(1, batch, 1, -1), float("-inf"))
+    if isinstance(group.shared, slice):
+        k_shared, v_shared = k_cache[group.shared], v_cache[group.shared]
+    else:
+        k_shared, v_shared = k_cache.index_select(0, group.shared), v_cache.index_select(0, group.shared)
+    k_shared, v_shared = (x.to(query.dtype).transpose(0, 1) for x in (k_shared, v_shared))     # [kv, P, D]
+    k_own, v_own = (c.index_select(0, group.own_index).to(query.dtype).view(batch, -1, kv_heads, dim)
+                    .permute(2, 0, 1, 3).reshape(kv_heads * batch, -1, dim) for c in (k_cache, v_cache))  # [kv*B, L-P, D]
+    q = query.reshape(batch, kv_heads, per_kv, dim).transpose(0, 1).reshape(kv_heads, batch * per_kv, dim)
+    s_shared = torch.bmm(q, k_shared.transpose(1, 2)).view(kv_heads, batch, per_kv, shared)
+    s_own = torch.bmm(q.view(kv_heads * batch, per_kv, dim), k_own.transpose(1, 2))
+    s_own = s_own.view(kv_heads, batch, per_kv, -1).add_(group.bias.to(query.dtype)[None])   # [kv, B, per_kv, L-P]
+    scores = torch.cat([s_shared, s_own], dim=-1).float().mul_(scale)
     probs = torch.softmax(scores, dim=-1).to(query.dtype)                 # [kv, B, per_kv, L]
-    out = (probs[..., :shared].reshape(kv_heads, batch * per_kv, shared) @ v_shared).view(kv_heads, batch, per_kv, dim)
-    out = out.transpose(0, 1) + probs[..., shared:].transpose(0, 1) @ v_own  # [B, kv, per_kv, D]
+    out = torch.bmm(probs[..., :shared].view(kv_heads, batch * per_kv, shared), v_shared)
+    own = torch.bmm(probs[..., shared:].view(kv_heads * batch, per_kv, -1), v_own)
+    out = (out.view(kv_heads, batch, per_kv, dim) + own.view(kv_heads, batch, per_kv, dim)).transpose(0, 1)
     return out.reshape(batch, heads, dim)
