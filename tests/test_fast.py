@@ -45,20 +45,20 @@ def hf_last_logits(model, ids):
 @pytest.mark.parametrize("one_run", [True, False])
 @pytest.mark.parametrize("own", [[5, 20, 40, 3], [0, 9]])
 def test_a_shared_prefix_is_read_once_with_the_same_result(own, one_run):
-    """A decode step of sequences whose contexts start with the same 100 slots: the cascade (shared
+    """A decode step of sequences whose contexts start with the same 200 slots: the cascade (shared
     part read and scored once: a view of the pool when its slots are one run, else gathered) equals
     chapter 5's one SDPA over each sequence's whole context."""
     q_lens = [1] * len(own)
     torch.manual_seed(0)
     pool = KVPool(2, 3, 64, 1024)
     pool.kv.normal_()
-    shared = pool.alloc(100)
+    shared = pool.alloc(200)
     if not one_run:
         shared = shared.flip(0)
     slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens)]
     step = FastStep.build(q_lens, slots)
     group = step.groups[0]
-    assert len(step.groups) == 1 and group.kind == "cascade" and group.shared_len == 100 >= SHARED_MIN
+    assert len(step.groups) == 1 and group.kind == "cascade" and group.shared_len == 200 >= SHARED_MIN
     assert isinstance(group.shared, slice) == one_run
     q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
     cascade = fast_paged_attention(q, k, v, 1, pool, step, scale=0.125)
@@ -93,11 +93,12 @@ def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
     def shared_len(q_lens, slots):
         return max(group.shared_len for group in FastStep.build(q_lens, slots).groups)
 
-    a, b = torch.arange(0, 50), torch.cat([torch.arange(0, 40), torch.arange(100, 110)])
-    assert shared_len([1, 1], [a, b]) == 40
-    assert shared_len([1, 1], [a, a[:45]]) == 44     # the shorter one's new token at 44
-    assert shared_len([2, 1], [a, a + 0]) == 0       # a prefill in the step: one SDPA
-    assert shared_len([1, 1], [a[:20], a[:20] + 0]) == 0   # below SHARED_MIN
+    n = SHARED_MIN + 40
+    a, b = torch.arange(0, n + 10), torch.cat([torch.arange(0, n), torch.arange(1000, 1010)])
+    assert shared_len([1, 1], [a, b]) == n
+    assert shared_len([1, 1], [a, a[:n + 5]]) == n + 4     # the shorter one's new token at n + 4
+    assert shared_len([2, 1], [a, a + 0]) == 0             # a prefill in the step: one SDPA
+    assert shared_len([1, 1], [a[:SHARED_MIN], a[:SHARED_MIN] + 0]) == 0   # SHARED_MIN - 1 shared: below it
     assert shared_len([1], [a]) == 0
 
 
