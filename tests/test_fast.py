@@ -99,6 +99,7 @@ def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():
     assert shared_len([1, 1], [a, a[:n + 5]]) == n + 4     # the shorter one's new token at n + 4
     assert shared_len([2, 1], [a, a + 0]) == 0             # a prefill in the step: one SDPA
     assert shared_len([1, 1], [a[:SHARED_MIN], a[:SHARED_MIN] + 0]) == 0   # SHARED_MIN - 1 shared: below it
+    assert shared_len([1, 1], [a[:SHARED_MIN + 1], a[:SHARED_MIN + 1] + 0]) == SHARED_MIN   # exactly SHARED_MIN
     assert shared_len([1], [a]) == 0
 
 

@@ -40,8 +40,9 @@ from kvlearn.attention import AttentionMetadata, attend
 # least the longest's divided by this (prefills and decodes never share a group when a step has both).
 PAD_RATIO = 2
 # A shared prefix shorter than this is gathered per sequence like the rest: below it, the cascade's
-# extra operations cost more than the copies they save (on 2 CPU cores, 128 served the bench's
-# workloads 2-4 % faster than 32; shared_system, with ~300 shared tokens, was 10 % faster with the cascade).
+# extra operations cost more than the copies they save (on 2 CPU cores, 128 served branching and
+# few_shot 2-4 % faster than 32 and the other workloads as fast; shared_system, with ~300 shared
+# tokens, was 10 % faster with the cascade than without).
 SHARED_MIN = 128
 
 
