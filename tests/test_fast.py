@@ -9,7 +9,7 @@ from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_atte
 from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import compare_tokens
 from kvlearn.fast import FastLlama, PackedLinear
-from kvlearn.fast.attention import SHARED_MIN, FastStep, fast_paged_attention
+from kvlearn.fast.attention import DECODE_PAD_SLOTS, PAD_RATIO, SHARED_MIN, FastStep, fast_paged_attention
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
@@ -69,24 +69,37 @@ def test_a_shared_prefix_is_read_once_with_the_same_result(own, one_run):
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float64])
 def test_sequences_of_very_different_lengths_are_attended_in_groups_with_the_same_result(pool_dtype):
     """Prefills apart from decodes, and contexts more than PAD_RATIO apart in different groups, each
-    padded only to its own longest; the result equals chapter 5's one SDPA over the whole padded step.
-    The fresh prompt reads its own new K/V when the pool keeps them as they are, else the pool."""
+    padded only to its own longest (decode groups joined again where that pads little); the result
+    equals chapter 5's one SDPA over the whole padded step. The fresh prompt reads its own new K/V
+    when the pool keeps them as they are, else the pool."""
     torch.manual_seed(0)
-    pool = KVPool(2, 3, 64, 1024, dtype=pool_dtype)
+    pool = KVPool(2, 3, 64, 2048, dtype=pool_dtype)
     pool.kv.normal_()
     q_lens = [60, 5, 1, 1, 1]
-    slots = [pool.alloc(n) for n in (60, 25, 40, 70, 9)]
+    slots = [pool.alloc(n) for n in (60, 25, 40, DECODE_PAD_SLOTS + 100, 9)]
     step = FastStep.build(q_lens, slots)
     groups = [(g.tokens.tolist(), g.md.kv_lens.tolist(), tuple(g.md.mask.shape[2:])) for g in step.groups]
+    long = DECODE_PAD_SLOTS + 100
     assert groups == [(list(range(60)), [60], (60, 60)), (list(range(60, 65)), [25], (5, 25)),
-                      ([66, 65], [70, 40], (1, 70)), ([67], [9], (1, 9))]
+                      ([66], [long], (1, long)), ([65, 67], [40, 9], (1, 40))]
     assert [g.kind for g in step.groups] == ["fresh", "padded", "decode", "decode"]
-    similar = FastStep.build([1, 1, 1], [slots[2], slots[3], slots[2]])
-    assert len(similar.groups) == 1 and similar.groups[0].tokens is None  # similar: one group, the whole step
+    similar = FastStep.build([1, 1, 1], [slots[2], slots[0], slots[4]])   # 40, 60, 9: padding 71 slots
+    assert len(similar.groups) == 1 and similar.groups[0].tokens is None  # one group, the whole step
     q, k, v = torch.randn(sum(q_lens), 9, 64), torch.randn(sum(q_lens), 3, 64), torch.randn(sum(q_lens), 3, 64)
     grouped = fast_paged_attention(q, k, v, 1, pool, step, scale=0.125)
     whole = paged_attention(q, k, v, 1, pool, AttentionMetadata.build(q_lens, slots), scale=0.125)
     assert (grouped - whole).abs().max() <= 1e-5
+
+
+def test_decode_groups_are_joined_below_decode_pad_slots_of_padding():
+    """Two decodes whose contexts differ by more than PAD_RATIO: one group while padding the shorter
+    adds fewer than DECODE_PAD_SLOTS slots, two from exactly DECODE_PAD_SLOTS on."""
+    def num_groups(longer, shorter=100):
+        return len(FastStep.build([1, 1], [torch.arange(longer), torch.arange(5000, 5000 + shorter)]).groups)
+
+    assert num_groups(100 + DECODE_PAD_SLOTS - 1) == 1
+    assert num_groups(100 + DECODE_PAD_SLOTS) == 2
+    assert 250 > 100 * PAD_RATIO and num_groups(250) == 1   # split by PAD_RATIO, joined again
 
 
 def test_the_shared_prefix_stops_at_the_first_difference_or_new_token():

@@ -8,7 +8,9 @@ costs large; this module removes them and computes the same attention.
   1,500-row blocks for nothing, and one decode over a 1,500-token context would make the fifteen
   others over 60 tokens gather 1,500 each. So when lengths differ that much, the step's sequences are
   attended in groups of similar lengths (`PAD_RATIO`), each padded only to its own longest and run
-  through chapter 5's `attend`: the same attention, computed per group.
+  through chapter 5's `attend`: the same attention, computed per group. A group has a cost of its
+  own in every layer, so decode groups whose split saves little padding are joined again
+  (`DECODE_PAD_SLOTS`).
 - A shared prefix. When every sequence of a decode group starts with the same slots (a prefix cache
   shared a system prompt), the gather would copy that prefix once per sequence. Then the shared
   slots are gathered once, every query is scored against them in one product, and only each
@@ -39,6 +41,11 @@ from kvlearn.attention import AttentionMetadata, attend
 # Sequences are attended in one group while the shortest new-token count and context in it are at
 # least the longest's divided by this (prefills and decodes never share a group when a step has both).
 PAD_RATIO = 2
+# Decode groups split by PAD_RATIO are joined again where the split saves fewer padded context slots
+# than this: each group costs its own gathers, SDPA call and scatter in every layer, which on 2 CPU
+# cores outweighed padding up to about this many slots (multi_turn's decode step, contexts 50-129,
+# ran 7-9 % faster as one group; a 400-token context beside fifteen of 60 still pays to split).
+DECODE_PAD_SLOTS = 1024
 # A shared prefix shorter than this is gathered per sequence like the rest: below it, the cascade's
 # extra operations cost more than the copies they save (on 2 CPU cores, 128 served branching and
 # few_shot 2-4 % faster than 32 and the other workloads as fast; shared_system, with ~300 shared
@@ -136,7 +143,8 @@ def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]
     """Sequence indices in groups of similar lengths: prefills apart from decodes; then, most new
     tokens first (longest context first among equals), a sequence starts a new group when its new
     tokens are under 1/PAD_RATIO of the group's most, or when the group's contexts would then differ
-    by more than PAD_RATIO. One group when padding wastes little (the usual decode step)."""
+    by more than PAD_RATIO; decode groups are then joined where splitting saves little padding. One
+    group when padding wastes little (the usual decode step)."""
     groups = []
     for kind in ([i for i, q in enumerate(query_lens) if q > 1], [i for i, q in enumerate(query_lens) if q == 1]):
         group, shortest, longest = [], 0, 0
@@ -151,7 +159,21 @@ def _similar_groups(query_lens: list[int], kv_lens: list[int]) -> list[list[int]
             shortest, longest = min(shortest, kv_lens[i]), max(longest, kv_lens[i])
         if group:
             groups.append(group)
-    return groups
+    return _joined_decodes(groups, query_lens, kv_lens)
+
+
+def _joined_decodes(groups: list[list[int]], query_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """The groups, with each decode group joined to the one before it (longer contexts) when padding
+    its sequences to that group's longest context adds fewer than DECODE_PAD_SLOTS slots."""
+    joined = []
+    for group in groups:
+        prev = joined[-1] if joined else None
+        if (prev and query_lens[prev[0]] == query_lens[group[0]] == 1
+                and sum(kv_lens[prev[0]] - kv_lens[i] for i in group) < DECODE_PAD_SLOTS):
+            prev.extend(group)
+        else:
+            joined.append(group)
+    return joined
 
 
 def _attend_group(query, key, value, k_cache, v_cache, group: Group, scale: float, fresh_ok: bool) -> torch.Tensor:
