@@ -220,3 +220,15 @@ def test_other_architectures_are_refused_with_a_clear_message():
                       num_attention_heads=2, num_key_value_heads=1, hidden_act="gelu", attention_bias=True)
     with pytest.raises(ValueError, match="Llama-like.*gelu.*bias"):
         FastLlama(LlamaForCausalLM(cfg))
+
+
+def test_the_fast_rope_is_hugging_face_s_rotation_to_the_bit():
+    """x * cos + roll(x) * signed_sin is Llama's x * cos + rotate_half(x) * sin: the negation moved from
+    x's second half to sin's first half is exact."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    torch.manual_seed(0)
+    x, angle = torch.randn(7, 12, 64), torch.randn(7, 1, 64) * 30
+    cos, sin = angle.cos(), angle.sin()
+    signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+    assert torch.equal(FastLlama._rope(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
