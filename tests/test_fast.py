@@ -9,6 +9,7 @@ from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_atte
 from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import compare_tokens
 from kvlearn.fast import FastLlama, PackedLinear
+from kvlearn.fast.packed import apply_rope
 from kvlearn.fast.attention import DECODE_PAD_SLOTS, PAD_RATIO, SHARED_MIN, FastStep, fast_paged_attention
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
@@ -231,4 +232,4 @@ def test_the_fast_rope_is_hugging_face_s_rotation_to_the_bit():
     x, angle = torch.randn(7, 12, 64), torch.randn(7, 1, 64) * 30
     cos, sin = angle.cos(), angle.sin()
     signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
-    assert torch.equal(FastLlama._rope(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
+    assert torch.equal(apply_rope(x, cos, signed_sin), x * cos + rotate_half(x) * sin)

@@ -59,6 +59,13 @@ class PackedLinear:
         return F.linear(x, self.weight)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim], signed_sin the sine with its first
+    half negated. Hugging Face Llama's rotation, x * cos + rotate_half(x) * sin, to the bit:
+    rotate_half(x) is x rolled by half with its first half negated, and the sign moves to sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 class _Layer:
     """One decoder layer's packed products, the norm before each of qkv and gate_up folded in."""
 
@@ -109,13 +116,6 @@ class FastLlama:
             raise ValueError(f"The fast path runs Llama-like models only; {type(model).__name__} has "
                              + "; ".join(problems) + ". Use the plain path: Engine(..., fast=False).")
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim], signed_sin the sine with its
-        first half negated. Hugging Face Llama's rotation, x * cos + rotate_half(x) * sin, to the bit:
-        rotate_half(x) is x rolled by half with its first half negated, and the sign moves to sin."""
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, query_lens: list[int], kv_indices: list[torch.Tensor],
                 kv_pool) -> torch.Tensor:
@@ -134,7 +134,7 @@ class FastLlama:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(F.rms_norm(h, (hidden,), None, self.eps))   # the norm's weight is in qkv
             # Q and K heads sit side by side in the product: one rotation for both.
-            qk = self._rope(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, dim), cos, signed_sin)
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, dim), cos, signed_sin)
             v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, dim)
             a = fast_paged_attention(qk[:, :heads], qk[:, heads:], v, i, kv_pool, step, self.scale)
             h = h + layer.o(a.reshape(tokens, q_size))
