@@ -9,8 +9,8 @@ from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata, paged_atte
 from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import compare_tokens
 from kvlearn.fast import FastLlama, PackedLinear
-from kvlearn.fast.packed import apply_rope
 from kvlearn.fast.attention import DECODE_PAD_SLOTS, PAD_RATIO, SHARED_MIN, FastStep, fast_paged_attention
+from kvlearn.fast.packed import apply_rope
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
