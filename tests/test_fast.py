@@ -10,7 +10,7 @@ from kvlearn.bench.peers import SystemResult
 from kvlearn.bench.report import compare_tokens
 from kvlearn.fast import FastLlama, PackedLinear
 from kvlearn.fast.attention import DECODE_PAD_SLOTS, PAD_RATIO, SHARED_MIN, FastStep, fast_paged_attention
-from kvlearn.fast.packed import apply_rope
+from kvlearn.fast.packed import apply_rope, signed_sine
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
@@ -231,5 +231,4 @@ def test_the_fast_rope_is_hugging_face_s_rotation_to_the_bit():
     torch.manual_seed(0)
     x, angle = torch.randn(7, 12, 64), torch.randn(7, 1, 64) * 30
     cos, sin = angle.cos(), angle.sin()
-    signed_sin = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
-    assert torch.equal(apply_rope(x, cos, signed_sin), x * cos + rotate_half(x) * sin)
+    assert torch.equal(apply_rope(x, cos, signed_sine(sin)), x * cos + rotate_half(x) * sin)

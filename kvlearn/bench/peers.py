@@ -188,14 +188,15 @@ def warm_up(model, tokenizer, fast: bool = False, max_batch: int = 16) -> None:
     kvlearn decodes every batch size up to `max_batch` once, because on CPU its fast path builds a
     oneDNN kernel per product and row count on first use (about 0.6 ms each, 3 ms a step), as the
     vLLM peer's time leaves out its start-up and a warm-up request."""
-    from kvlearn.serving.engine import Engine
+    from kvlearn.serving.engine import Engine, slots_without_sharing
     from kvlearn.model import chat_ids
 
     ids = chat_ids(tokenizer, "Hi")
     Engine(model, tokenizer, cache="radix", num_slots=256, fast=fast).generate([ids, ids], max_new_tokens=2)
-    engine = Engine(model, tokenizer, cache="none", num_slots=(max_batch + 1) * (len(ids) + max_batch + 1), fast=fast)
-    for n in range(1, max_batch + 2):  # one request finishes per step: decode batches max_batch, ..., 1
-        engine.add_request(ids, max_new_tokens=n)
+    prompts = [ids] * (max_batch + 1)
+    engine = Engine(model, tokenizer, cache="none", num_slots=slots_without_sharing(prompts, max_batch + 1), fast=fast)
+    for n, prompt in enumerate(prompts, 1):  # one request finishes per step: decode batches max_batch, ..., 1
+        engine.add_request(prompt, max_new_tokens=n)
     while engine.has_unfinished():
         engine.step()
     with torch.no_grad():

@@ -59,10 +59,16 @@ class PackedLinear:
         return F.linear(x, self.weight)
 
 
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """The sine with the first half of its last dimension negated, as `apply_rope` takes it."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim], signed_sin the sine with its first
-    half negated. Hugging Face Llama's rotation, x * cos + rotate_half(x) * sin, to the bit:
-    rotate_half(x) is x rolled by half with its first half negated, and the sign moves to sin."""
+    """x: [T, heads, head_dim]; cos, signed_sin: [T, 1, head_dim] (`signed_sine(sin)`). Hugging Face
+    Llama's rotation, x * cos + rotate_half(x) * sin, to the bit: rotate_half(x) is x rolled by half
+    with its first half negated, and the sign moves to sin."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
@@ -74,7 +80,8 @@ class _Layer:
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         self.qkv = PackedLinear(qkv * layer.input_layernorm.weight)
         self.o = PackedLinear(attn.o_proj.weight)
-        self.gate_up = PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]) * layer.post_attention_layernorm.weight)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up = PackedLinear(gate_up * layer.post_attention_layernorm.weight)
         self.down = PackedLinear(mlp.down_proj.weight)
 
 
@@ -126,8 +133,7 @@ class FastLlama:
         md = step.md
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(h, md.positions[None])
-        half = sin.shape[-1] // 2
-        cos, signed_sin = cos[0, :, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[0, :, None]
+        cos, signed_sin = cos[0, :, None], signed_sine(sin)[0, :, None]
         tokens, hidden = h.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
