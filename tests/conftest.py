@@ -3,6 +3,12 @@
 import os
 
 import pytest
+import torch
+
+# Triton's kernels (kvlearn.kernels) run on a CPU only in its interpreter, which must be asked for
+# before triton is first imported; with CUDA they compile for the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 # 1,000 examples per property by default (CI); HYPOTHESIS_PROFILE=thorough runs 10,000.

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from kvlearn.errors import check_bool, check_choice, check_positive_int
+from kvlearn.kernels import ATTENTION_BACKENDS
 from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.part_registry import REGISTRY, served
@@ -48,6 +49,9 @@ class EngineConfig:
     fast: bool = False                   # run the model through the engine's packed copy of the weights (kvlearn.fast:
                                          # the same tokens, several times faster on CPU, the model's size again in memory;
                                          # it has its own attention, so with parts["attention"] the plain path runs)
+    attention_backend: str = "auto"      # the plain path's attention (kvlearn.kernels): "torch" (chapter 5's), "triton"
+                                         # (Triton kernels: on CUDA, or on a CPU under TRITON_INTERPRET=1), "auto"
+                                         # (triton on CUDA when it imports, else torch); as SGLang's --attention-backend
 
     # --- tiers below the pool (chapter 8; "radix" only; with host_slots and disk_dir None there are none) ---
     host_slots: int | None = None        # tokens of KV a host pool holds
@@ -59,6 +63,7 @@ class EngineConfig:
         check_choice("cache", self.cache, CACHE_MODES)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("write_policy", self.write_policy, WRITE_POLICIES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self.page_size = default_page_size(self.cache) if self.page_size is None else self.page_size
         self.num_slots = DEFAULT_NUM_SLOTS if self.num_slots is None else self.num_slots
         check_bool("chunked_prefill", self.chunked_prefill)
@@ -72,6 +77,10 @@ class EngineConfig:
             check_positive_int("disk_max_bytes", self.disk_max_bytes, " (bytes the disk tier may use)")
             if self.disk_dir is None:
                 raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
+        if self.attention_backend == "triton" and (self.fast or "attention" in self.parts):
+            raise ValueError("attention_backend='triton' serves in the model's own layers, but "
+                             + ("fast=True computes attention its own way" if self.fast else
+                                "parts['attention'] is the attention there") + ": give one of the two.")
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                              f"tree), got cache={self.cache!r}.")

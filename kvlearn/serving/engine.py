@@ -22,6 +22,7 @@ import torch
 
 from kvlearn.errors import KVCapacityError, check_positive_int
 from kvlearn.fast import FastLlama
+from kvlearn.kernels import attention_function, resolve_attention_backend
 from kvlearn.model import chat_ids, eos_token_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
@@ -88,10 +89,17 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path.
+        # A learner's attention (parts["attention"]) runs in the model's own layers: the plain path,
+        # where attention_backend picks the package's attention otherwise (the fast path has its own).
+        # `attention_backend` says what computes attention: "torch", "triton", "fast" or "part".
         fast = c.fast and "attention" not in c.parts
+        if fast or "attention" in c.parts:
+            self.attention_backend, attention = ("fast", None) if fast else ("part", served(c.parts, "attention"))
+        else:
+            self.attention_backend = resolve_attention_backend(c.attention_backend, model.device)
+            attention = attention_function(self.attention_backend, model.device)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
-                                  attention=served(c.parts, "attention"))
+                                  attention=attention)
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
         # cache behind its guard, or one of chapter 6's modes.
         make_kv = served(c.parts, "radix_cache") or served(c.parts, "block_manager") or partial(make_kv_manager, c.cache)

@@ -1,0 +1,72 @@
+"""Chapter 5 done the GPU's way: the KV write and paged attention as Triton kernels.
+
+Three kernels, in the anchors' words: `store_kvcache` (`kvlearn.kernels.store`) writes a step's K
+and V at `slot_mapping`; `paged_decode_attention` (`.decode`) attends one new token per sequence
+over its pages; `extend_attention` (`.extend`) attends a prefill or chunk over the cached prefix and
+causally among the new tokens. `kvlearn.kernels.backend.triton_paged_attention` puts them together
+behind chapter 5's attention signature, so they serve the model through the same registered
+attention function as `kvlearn.attention.paged_attention`.
+
+Which one serves is the engine's `attention_backend` option (as SGLang's `--attention-backend`):
+"torch" (chapter 5's `paged_attention`), "triton" (the kernels), or "auto" (triton on CUDA when
+triton imports, torch otherwise). Triton compiles for GPUs; on a CPU its kernels run only in its
+interpreter (`TRITON_INTERPRET=1` in the environment before triton is first imported), which
+executes each program in numpy: exact, and slow, for tests and small examples.
+
+This module imports no triton itself: `import kvlearn.kernels` works where triton is missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvlearn.attention import paged_attention
+
+ATTENTION_BACKENDS = ("torch", "triton", "auto")
+
+
+def triton_import_error() -> str | None:
+    """None when `import triton` works here, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def interpreter_requested() -> bool:
+    """Whether the environment asks for Triton's interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def resolve_attention_backend(name: str, device) -> str:
+    """"torch" or "triton" for `attention_backend=name` on `device`; "auto" is triton on CUDA when
+    triton imports, torch otherwise. ValueError (what to do) when "triton" cannot run there."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}.")
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        return "triton" if on_cuda and triton_import_error() is None else "torch"
+    if name == "triton":
+        why = triton_import_error()
+        if why is not None:
+            raise ValueError(f"attention_backend='triton' needs the triton package, which does not import here "
+                             f"({why}). Triton ships wheels for Linux only: `pip install triton` there, or use "
+                             "attention_backend='torch'.")
+        if not on_cuda and not interpreter_requested():
+            raise ValueError("attention_backend='triton' on a CPU needs Triton's interpreter: set the environment "
+                             "variable TRITON_INTERPRET=1 before Python starts (slow: for tests and small examples), "
+                             "or run on a CUDA GPU, or use attention_backend='torch'.")
+    return name
+
+
+def attention_function(name: str, device):
+    """The attention function (chapter 5's signature) of backend `name` on `device`."""
+    if resolve_attention_backend(name, device) == "torch":
+        return paged_attention
+    from kvlearn.kernels.backend import check_kernel_mode, triton_paged_attention
+
+    check_kernel_mode(device)
+    return triton_paged_attention

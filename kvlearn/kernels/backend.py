@@ -1,0 +1,39 @@
+"""The Triton kernels behind chapter 5's attention signature: `triton_paged_attention`.
+
+Every layer of a step: `store_kvcache` writes the new K and V at `md.slot_mapping`; then a decode
+step (one new token per sequence, which `md`'s shapes tell without asking the device) runs
+`paged_decode_attention`, and any other step `extend_attention` for all its sequences, both reading
+each sequence's context through `md.kv_indices`, its `req_to_token` row (one slot per position, so
+page_size 1 in the kernels' terms, whatever the pool's page size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvlearn.attention import AttentionMetadata
+from kvlearn.kernels.decode import paged_decode_attention
+from kvlearn.kernels.extend import extend_attention
+from kvlearn.kernels.store import INTERPRETED, store_kvcache
+
+
+def check_kernel_mode(device) -> None:
+    """ValueError when the kernels cannot run on `device`: on a CPU they must be interpreted."""
+    if torch.device(device).type != "cuda" and not INTERPRETED:
+        raise ValueError("Triton's kernels were built for a GPU in this process (TRITON_INTERPRET was not set when "
+                         "kvlearn.kernels was first imported), so they cannot run on the CPU: set TRITON_INTERPRET=1 "
+                         "before Python starts (in a notebook: restart the kernel), or use attention_backend='torch'.")
+
+
+def triton_paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadata, scale=None) -> torch.Tensor:
+    """Chapter 5's `paged_attention` with Triton kernels: the same arguments, the same result.
+    query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim]."""
+    k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
+    store_kvcache(key, value, k_cache, v_cache, md.slot_mapping)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    max_q_len = md.query_index.shape[1]
+    if max_q_len == 1:
+        return paged_decode_attention(query, k_cache, v_cache, md.kv_indices, md.kv_lens, scale)
+    cu_q = F.pad(md.last_token + 1, (1, 0))
+    return extend_attention(query, k_cache, v_cache, md.kv_indices, md.kv_lens, cu_q, scale, max_q_len=max_q_len)
