@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants
+.PHONY: setup dot browser demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants gpu-pack gpu-check gpu-check-dry
 
 setup: $(STAMP) dot
 
@@ -121,6 +121,25 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
+# The GPU check (kvlearn/bench/gpucheck.py): both attention backends (torch, triton) on CUDA against
+# Hugging Face generate, and the fast path's throughput beside HF's. A GPU machine may have torch and
+# triton but no network: `make gpu-pack` (here, online) writes $(GPU_PACK)/ with the transformers wheel
+# and the model's config and tokenizer; there, `make gpu-check` installs the wheel into
+# $(GPU_PACK)/site with --no-index and runs the check with the system's python3 (OUT=dir: the JSON
+# goes there). `make gpu-check-dry`: the same steps on this CPU, the kernels in Triton's interpreter.
+GPU_PACK := .gpu
+gpu-pack: setup
+	$(PY) -m kvlearn gpu-check --pack $(GPU_PACK)
+
+gpu-check:
+	@test -d $(GPU_PACK)/wheels || { echo "no $(GPU_PACK)/: run 'make gpu-pack' on a machine with network first"; exit 1; }
+	$(PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target $(GPU_PACK)/site $(GPU_PACK)/wheels/*.whl
+	PYTHONPATH=$(GPU_PACK)/site:$(CURDIR) $(PYTHON) -m kvlearn gpu-check --model-dir $(GPU_PACK)/model \
+		--out $(or $(OUT),.)/gpu-check.json
+
+gpu-check-dry: setup
+	TRITON_INTERPRET=1 $(PY) -m kvlearn gpu-check --dry --out gpu-check-dry.json
+
 # Is this laptop ready? Needs only the venv, so it can report a missing `dot` instead of stopping.
 check: $(STAMP)
 	$(PY) -m kvlearn check
@@ -146,7 +165,7 @@ figures: setup
 	$(PY) -m kvlearn demo
 
 clean:
-	rm -rf $(VENV) .hypothesis .pytest_cache site build/site
+	rm -rf $(VENV) .hypothesis .pytest_cache site build/site $(GPU_PACK)
 
 # ---- Workshop kit: install with no network -----------------------------------------------------
 # `make wheelhouse` (on a machine with network) fills $(WHEELHOUSE) with every wheel an offline

@@ -7,6 +7,7 @@ from importlib import import_module
 COMMANDS = {
     "demo": ("kvlearn.bench.demo", "the real model, decoded with and without a KV cache, then served by the engine"),
     "bench": ("kvlearn.bench.cli", "every cache strategy and the Hugging Face peers on one workload, side by side"),
+    "gpu-check": ("kvlearn.bench.gpucheck", "both attention backends on a CUDA GPU against Hugging Face; --dry: the same on the CPU"),
     "check": ("kvlearn.workshop.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
     "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
     "route": ("kvlearn.routing.cli", "a trace on a fleet of replicas behind each routing policy, simulated (chapter 7)"),
@@ -17,7 +18,7 @@ COMMANDS = {
 }
 
 USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(
-    f"  {name:<9}{about}" for name, (_, about) in COMMANDS.items()) + "\n"
+    f"  {name:<10}{about}" for name, (_, about) in COMMANDS.items()) + "\n"
 
 
 def main(argv=None) -> int:
