@@ -98,3 +98,14 @@ def test_a_cpu_without_the_interpreter_is_refused_with_what_to_do():
                         "from kvlearn.kernels import attention_function\n")
     out = run_fresh(late, None)
     assert "were built for a GPU in this process" in out.stdout and "restart the kernel" in out.stdout, out.stderr
+
+
+@triton_missing
+def test_the_interpreter_asked_for_after_triton_was_imported_is_refused():
+    """triton.language's helpers are wrapped when triton is first imported; a later TRITON_INTERPRET
+    makes interpreted kernels that would call GPU-built helpers."""
+    code = ("import os, triton\nos.environ['TRITON_INTERPRET'] = '1'\n"
+            "from kvlearn.kernels import attention_function\n"
+            "try:\n    attention_function('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
+    out = run_fresh(code, None)
+    assert "was set after triton was first imported" in out.stdout, out.stderr

@@ -36,8 +36,11 @@ def store_kernel(key, value, k_cache, v_cache, slot_mapping, num_tokens,
 
 
 # Whether this process's kernels run in Triton's interpreter: `triton.jit` decides when it wraps a
-# kernel, by TRITON_INTERPRET at that moment (here, the first import of kvlearn.kernels.store).
+# kernel, by TRITON_INTERPRET at that moment (here, the first import of kvlearn.kernels.store). The
+# helpers of triton.language that the kernels call (tl.max, tl.sum, tl.cdiv) were wrapped when
+# triton itself was first imported, and must have been wrapped the same way.
 INTERPRETED = isinstance(store_kernel, InterpretedFunction)
+LANGUAGE_INTERPRETED = isinstance(tl.max, InterpretedFunction)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
