@@ -66,7 +66,8 @@ def attention_function(name: str, device):
     """The attention function (chapter 5's signature) of backend `name` on `device`."""
     if resolve_attention_backend(name, device) == "torch":
         return paged_attention
-    from kvlearn.kernels.backend import check_kernel_mode, triton_paged_attention
+    from kvlearn.kernels.backend import triton_paged_attention
+    from kvlearn.kernels.common import check_launch
 
-    check_kernel_mode(device)
+    check_launch(device)
     return triton_paged_attention

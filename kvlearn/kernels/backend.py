@@ -15,21 +15,7 @@ import torch.nn.functional as F
 from kvlearn.attention import AttentionMetadata
 from kvlearn.kernels.decode import paged_decode_attention
 from kvlearn.kernels.extend import extend_attention
-from kvlearn.kernels.store import INTERPRETED, LANGUAGE_INTERPRETED, store_kvcache
-
-
-def check_kernel_mode(device) -> None:
-    """ValueError when the kernels cannot run on `device`: on a CPU they must be interpreted, and
-    interpreted kernels need triton.language's helpers interpreted too."""
-    if INTERPRETED and not LANGUAGE_INTERPRETED:
-        raise ValueError("TRITON_INTERPRET=1 was set after triton was first imported (loading a model imports it), "
-                         "so triton's own helpers were built for a GPU and the interpreter cannot run the kernels: set "
-                         "it before anything imports triton, in the environment before Python starts or first thing "
-                         "in the notebook (then restart its kernel).")
-    if torch.device(device).type != "cuda" and not INTERPRETED:
-        raise ValueError("Triton's kernels were built for a GPU in this process (TRITON_INTERPRET was not set when "
-                         "kvlearn.kernels was first imported), so they cannot run on the CPU: set TRITON_INTERPRET=1 "
-                         "before Python starts (in a notebook: restart the kernel), or use attention_backend='torch'.")
+from kvlearn.kernels.store import store_kvcache
 
 
 def triton_paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadata, scale=None) -> torch.Tensor:

@@ -8,6 +8,30 @@ refuses, with a message, what would make it compute garbage silently.
 from __future__ import annotations
 
 import torch
+import triton.language as tl
+from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
+
+# Whether this process's kernels run in Triton's interpreter: `triton.jit` decides when it wraps a
+# kernel, by TRITON_INTERPRET at that moment (the kernels of kvlearn.kernels are wrapped when their
+# modules are first imported, right after this one). The helpers of triton.language that they call
+# (tl.max, tl.sum, tl.cdiv) were wrapped when triton itself was first imported, and must agree.
+INTERPRETED = bool(knobs.runtime.interpret)
+LANGUAGE_INTERPRETED = isinstance(tl.max, InterpretedFunction)
+
+
+def check_launch(device) -> None:
+    """ValueError, saying what to do, when the kernels cannot run on `device` in this process: on a
+    CPU they must be interpreted, and interpreted kernels need triton.language's helpers interpreted."""
+    if INTERPRETED and not LANGUAGE_INTERPRETED:
+        raise ValueError("TRITON_INTERPRET=1 was set after triton was first imported (loading a model imports it), "
+                         "so triton's own helpers were built for a GPU and the interpreter cannot run the kernels: set "
+                         "it before anything imports triton, in the environment before Python starts or first thing "
+                         "in the notebook (then restart its kernel).")
+    if torch.device(device).type != "cuda" and not INTERPRETED:
+        raise ValueError("Triton's kernels were built for a GPU in this process (TRITON_INTERPRET was not set when "
+                         "kvlearn.kernels was first imported), so they cannot run on the CPU: set TRITON_INTERPRET=1 "
+                         "before Python starts (in a notebook: restart the kernel), or use attention_backend='torch'.")
 
 
 def check_rows(**tensors: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlearn.kernels.common import check_rows, check_same_device
+from kvlearn.kernels.common import check_launch, check_rows, check_same_device
 
 BLOCK_N = 64          # context positions per tile
 SPLIT_TOKENS = 512    # a context gets one split per this many positions of the step's longest ...
@@ -108,6 +108,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     layer's [slots, kv_heads, head_dim]; table [B, >= ceil(L_b / page_size)] int64: a block table of
     pages (page_size > 1) or of slots (page_size 1, a `req_to_token` row); kv_lens [B] int64, L_b >= 1.
     num_splits: None picks by the table's width (`num_splits_for`). Returns [B, heads, head_dim]."""
+    check_launch(query.device)
     check_rows(query=query, k_cache=k_cache, v_cache=v_cache, table=table)
     check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, table=table, kv_lens=kv_lens)
     batch, heads, head_dim = query.shape

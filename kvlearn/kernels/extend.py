@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlearn.kernels.common import check_rows, check_same_device
+from kvlearn.kernels.common import check_launch, check_rows, check_same_device
 
 BLOCK_M = 32   # new tokens per program
 BLOCK_N = 64   # context positions per tile
@@ -85,6 +85,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cache; caches, table, kv_lens and page_size as in `paged_decode_attention` (kv_lens[b] >= its
     new tokens >= 1). max_q_len: the largest new-token count, if the caller knows it without asking
     the device. Returns [T, heads, head_dim]."""
+    check_launch(query.device)
     check_rows(query=query, k_cache=k_cache, v_cache=v_cache, table=table)
     check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, table=table, kv_lens=kv_lens, cu_q=cu_q)
     tokens, heads, head_dim = query.shape

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from kvlearn.kernels.common import check_launch, check_rows, check_same_device
 
 BLOCK_T = 16   # tokens per program
 
@@ -35,19 +36,15 @@ def store_kernel(key, value, k_cache, v_cache, slot_mapping, num_tokens,
     tl.store(v_cache + dst, v, mask=ok)
 
 
-# Whether this process's kernels run in Triton's interpreter: `triton.jit` decides when it wraps a
-# kernel, by TRITON_INTERPRET at that moment (here, the first import of kvlearn.kernels.store). The
-# helpers of triton.language that the kernels call (tl.max, tl.sum, tl.cdiv) were wrapped when
-# triton itself was first imported, and must have been wrapped the same way.
-INTERPRETED = isinstance(store_kernel, InterpretedFunction)
-LANGUAGE_INTERPRETED = isinstance(tl.max, InterpretedFunction)
-
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping] = key and v_cache[slot_mapping] = value. key, value: [T, kv_heads,
     head_dim] (any strides, head_dim contiguous); caches: one layer's [slots, kv_heads, head_dim],
     K and V with the same strides (a `KVPool`'s `k[layer]` and `v[layer]`); slot_mapping: [T] int64."""
+    check_launch(key.device)
+    check_rows(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
