@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvlearn.allocator_base import AllocatorBase
-from kvlearn.errors import KVCapacityError
+from kvlearn.errors import KVCapacityError, check_int
 
 _FEW_IDS = 256   # frees of at most this many ids are checked in Python: faster than tensor calls
 
@@ -68,7 +68,8 @@ class PageAllocator(AllocatorBase):
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free pages (int64 tensor of ids, top of the stack first); KVCapacityError, and
-        nothing taken, when fewer are free."""
+        nothing taken, when fewer are free; ValueError (TypeError) for a negative `n` (not an int)."""
+        check_int("n", n, 0, " (pages to take)")
         if n > self._num_free:
             raise KVCapacityError(f"{n} pages asked for but {self._num_free} of {self.num_pages} are free: "
                                   "free some, evict cached prefixes, or make the pool bigger.")

@@ -191,7 +191,8 @@ class BlockManager(BlockManagerBase):
     def deallocate(self, seq: Sequence) -> None:
         """Release the blocks of `seq`. A block nobody holds any more stays cached (at the back of
         the LRU list) if it is the published copy of its prefix, and goes back to the allocator
-        otherwise. The table is walked in reverse, so a prefix's tail is evicted before its head."""
+        otherwise. The table is walked in reverse, so a prefix's tail is evicted before its head.
+        `seq` is left with an empty table and `num_cached_tokens` 0."""
         self.check_live(seq)
         last_user = [b for b in reversed(seq.block_table) if self.blocks[b].ref_count == 1]
         released = [b for b in last_user if self.hash_to_block_id.get(self.blocks[b].hash) != b]

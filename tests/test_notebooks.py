@@ -8,9 +8,16 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from nbval.plugin import find_comment_markers, find_metadata_tags
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-MARKER = "# NBVAL_IGNORE_OUTPUT"
+IGNORE = "nbval-ignore-output"   # the cell tag nbval reads; its markers never sit in the code a reader reads
+# nbval's code cells (numbered from 0, as nbval numbers them) whose output strict nbval does not
+# compare. Pinned from the `# NBVAL_IGNORE_OUTPUT` lines of git HEAD 561e30a, when they moved into
+# cell tags: a cell that joins or leaves this list (or a cell inserted before one) is a change to say.
+# Since then: chapter 9's bench table moved from cell 5 to 6 (issue 40 drew the learner's tree before it).
+NOT_COMPARED = {"00_why_kv_cache": [8, 11], "03_radix_tree": [15, 33], "05_paged_attention": [22, 24],
+                "06_serving_engine": [19], "07_routing": [4], "08_kv_tiers": [10], "09_your_engine": [6]}
 
 
 def code_cells(path):
@@ -51,18 +58,43 @@ def test_the_output_rule_sees_a_missing_output():
     assert not shows_something("%%part block_table\nclass MyBlockTable:\n    pass")
 
 
+def nbval_options(cell) -> dict:
+    """What nbval makes of a code cell's tags and comment markers (as its collector does): {} when none."""
+    options = dict(find_metadata_tags(cell.metadata))
+    options.update(find_comment_markers(cell.source))
+    return options
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_ignored_outputs_are_few_justified_and_asserted(path):
     cells = code_cells(path)
-    ignored = [i for i, c in enumerate(cells) if MARKER in c.source]
+    ignored = [i for i, c in enumerate(cells) if IGNORE in c.metadata.get("tags", [])]
     assert len(ignored) <= 2, f"{len(ignored)} cells ignore their output; at most 2 may"
     for i in ignored:
-        lines = cells[i].source.splitlines()
-        at = next(n for n, line in enumerate(lines) if line.strip() == MARKER)
-        assert at + 1 < len(lines) and lines[at + 1].lstrip().startswith("#"), \
-            f"code cell {i + 1}: say why its output is ignored in a comment under the marker"
+        assert cells[i].source.startswith("#"), \
+            f"code cell {i + 1} is tagged {IGNORE}: say why in a comment on its first line"
         checked = cells[i].source + (cells[i + 1].source if i + 1 < len(cells) else "")
         assert "assert" in checked, f"code cell {i + 1}: assert what matters in it or in the next cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_nbval_markers_are_tags_not_code(path):
+    nb = nbformat.read(path, as_version=4)
+    marked = [n for n, c in enumerate(nb.cells, 1) if "NBVAL_" in c.source]
+    assert not marked, f"cells {marked} carry an NBVAL_ marker in their source: make it a cell tag ({IGNORE})"
+
+
+def test_strict_nbval_compares_the_same_cells_as_before():
+    options = {p.stem: {n: nbval_options(c) for n, c in enumerate(code_cells(p)) if nbval_options(c)}
+               for p in NOTEBOOKS}
+    assert {name: opts for name, opts in options.items() if opts} == \
+        {name: {n: {"check": False} for n in numbers} for name, numbers in NOT_COMPARED.items()}
+
+
+def test_nbval_reads_the_ignore_tag():
+    cell = nbformat.v4.new_code_cell("x = 1", metadata={"tags": [IGNORE]})
+    assert nbval_options(cell) == {"check": False}
+    assert nbval_options(nbformat.v4.new_code_cell("x = 1")) == {}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -39,6 +39,8 @@ class MyAllocator(AllocatorBase):
         return self.stack[::-1]
 
     def alloc(self, n):
+        if n < 0:
+            raise ValueError(f"alloc({n}): n must be >= 0")
         if n > len(self.stack):
             raise KVCapacityError(f"{n} pages asked for, {len(self.stack)} free")
         taken = self.stack[len(self.stack) - n:][::-1]

@@ -1,13 +1,15 @@
-"""The known holes in the referees of chapters 1, 2 and 4 (issue 29), closed: each wrong part is the
-worked solution of its notebook with one rule broken, and `check` must fail it with a hint whose
-first line names that rule in the chapter's words. Also: the package's own `PageAllocator.free`
-refuses what chapter 4's contract refuses, and leaves the allocator as it was.
+"""The known holes in the referees of chapters 1, 2 and 4 (issues 29 and 40), closed: each wrong part
+is the worked solution of its notebook with one rule broken, and `check` must fail it with a hint whose
+first line names that rule in the chapter's words. Also: the package's own `PageAllocator` refuses
+what chapter 4's contract refuses (`free` of a bad page, `alloc` of a negative count), and leaves
+the allocator as it was.
 """
 
 import pytest
 import torch
 
 from kvlearn.allocator import PageAllocator
+from kvlearn.errors import KVCapacityError
 from kvlearn.parts import check
 from tests.test_build_exercises import new_blocks_first, run_parts
 
@@ -65,6 +67,25 @@ def range_unchecked(base):
     return RangeUnchecked
 
 
+def negative_taken(base):
+    class NegativeTaken(base):   # no n >= 0 check: alloc(-1) moves the top up, a page nobody freed counts free
+        def alloc(self, n):
+            if n > self.top:
+                raise KVCapacityError("too many")
+            pages = self.stack[self.top - n:self.top].flip(0)
+            self.top -= n
+            self.free_flag[pages] = False
+            return pages
+    return NegativeTaken
+
+
+def negative_as_zero(base):
+    class NegativeAsZero(base):   # alloc(-1) hands out nothing instead of refusing
+        def alloc(self, n):
+            return super().alloc(max(n, 0))
+    return NegativeAsZero
+
+
 # --- chapter 1: block tables ---------------------------------------------------------------------
 
 def frees_one_by_one(base):
@@ -87,6 +108,24 @@ def slots_of_the_dead(base):
             return torch.tensor([seq.block_table[p // size] * size + p % size for p in range(start, end)],
                                 dtype=torch.int64, device=device)
     return SlotsOfTheDead
+
+
+def deallocate_leaving(base, cached_tokens: int | None):
+    """The worked deallocate, then `seq.num_cached_tokens` set to `cached_tokens` (None: as allocate left it)."""
+    class LeavesCachedTokens(base):
+        def deallocate(self, seq):
+            before = seq.num_cached_tokens
+            super().deallocate(seq)
+            seq.num_cached_tokens = before if cached_tokens is None else cached_tokens
+    return LeavesCachedTokens
+
+
+def leaves_one_cached_token(base):
+    return deallocate_leaving(base, 1)
+
+
+def keeps_cached_tokens(base):
+    return deallocate_leaving(base, None)
 
 
 # --- chapter 2: the block manager ----------------------------------------------------------------
@@ -161,6 +200,11 @@ WRONG = [
     ("allocator", no_flip, "free(pages) puts the pages back on top of the stack, pages[0] on top"),
     ("allocator", repeats_accepted, "free refuses a page listed twice in one call"),
     ("allocator", range_unchecked, "free refuses a page outside 0 .. num_pages - 1"),
+    ("allocator", negative_taken, "alloc(n) refuses a negative n (ValueError) and changes nothing"),
+    ("allocator", negative_as_zero, "alloc(n) refuses a negative n (ValueError) and changes nothing"),
+    ("block_table", leaves_one_cached_token, "deallocate sets seq.num_cached_tokens back to 0"),
+    ("block_manager", leaves_one_cached_token, "deallocate sets seq.num_cached_tokens back to 0"),
+    ("block_manager", keeps_cached_tokens, "deallocate sets seq.num_cached_tokens back to 0"),
     ("block_table", frees_one_by_one, "deallocate gives the blocks nobody holds back to the free list in table order"),
     ("block_table", slots_of_the_dead, "deallocate, may_append, can_append and slot_mapping raise ValueError"),
     ("block_manager", frees_in_walk_order, "deallocate walks the table from its last block, but gives the blocks"),
@@ -179,7 +223,7 @@ def test_the_worked_solutions_pass(solution, name):
     assert check(name, solution[name]).passed
 
 
-@pytest.mark.parametrize("name, make, rule", WRONG, ids=[w[1].__name__ for w in WRONG])
+@pytest.mark.parametrize("name, make, rule", WRONG, ids=[f"{w[0]}-{w[1].__name__}" for w in WRONG])
 def test_a_wrong_part_fails_with_the_rule_it_broke(solution, name, make, rule):
     assert first_hint_line(check(name, make(solution[name]))).startswith(rule)
 
@@ -202,6 +246,17 @@ def test_page_allocator_free_refuses_and_frees_nothing(pages, says):
     with pytest.raises(ValueError, match=says):
         allocator.free(torch.tensor(pages))
     assert allocator_state(allocator) == before == ([3], 1, [False, False, False, True])
+
+
+@pytest.mark.parametrize("n, error", [(-1, ValueError), (-5, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_page_allocator_alloc_refuses_a_negative_count_and_takes_nothing(n, error):
+    allocator = PageAllocator(4, device="cpu")
+    allocator.alloc(3)
+    before = allocator_state(allocator)
+    with pytest.raises(error, match="pages to take"):
+        allocator.alloc(n)
+    assert allocator_state(allocator) == before == ([3], 1, [False, False, False, True])
+    assert allocator.alloc(0).tolist() == []
 
 
 def test_page_allocator_free_puts_pages_0_on_top():

@@ -13,8 +13,10 @@ import pytest
 
 from kvlearn.exercises.parts import BUILD
 from kvlearn.parts.conformance import SUITES
-from kvlearn.workshop.site import (MAP_LINE, WIDGET_NOTE, WIDGET_VIEW, engine_map, entry_of, glossary_entries, label_glossary,
-                                   landing_page, parts_page, site_notebook, words_pattern)
+from kvlearn.workshop.site import (DOWNLOADS, MAP_LINE, WIDGET_NOTE, WIDGET_VIEW, chapter_title, download_links, engine_map,
+                                   entry_of, glossary_entries, label_glossary, landing_page, parts_page, site_notebook,
+                                   stage, words_pattern)
+from kvlearn.workshop.student import student_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -99,6 +101,58 @@ def test_every_link_between_pages_leads_to_a_file(built_site):
         broken += [f"{page.relative_to(built_site)} -> {t}" for t in parser.targets
                    if not (page.parent / re.split(r"[?#]", t)[0]).exists()]
     assert not broken, "links to nothing:\n" + "\n".join(broken[:20])
+
+
+def hrefs(html: str) -> set[str]:
+    parser = Links()
+    parser.feed(html)
+    return set(parser.targets)
+
+
+def assert_the_two_downloads(built_site: Path, name: str) -> None:
+    """Both copies of chapter `name` are in the site: the instructor's is the committed notebook byte for
+    byte, the student's is what `make student` writes (kvlearn.workshop.student)."""
+    committed = ROOT / "notebooks" / f"{name}.ipynb"
+    instructor, student = (built_site / folder / f"{name}.ipynb" for folder in DOWNLOADS)
+    assert instructor.read_bytes() == committed.read_bytes(), f"{instructor} is not the committed notebook"
+    assert nbformat.read(student, as_version=4) == student_copy(nbformat.read(committed, as_version=4)), \
+        f"{student} is not the student copy"
+
+
+@pytest.mark.slow
+def test_every_chapter_page_links_its_instructor_and_student_notebook(built_site):
+    for path in CHAPTERS:
+        links = hrefs((built_site / "chapters" / f"{path.stem}.html").read_text())
+        wanted = {f"../{folder}/{path.stem}.ipynb" for folder in DOWNLOADS}
+        assert wanted <= links, f"{path.stem}: its page does not link {sorted(wanted - links)}"
+        assert_the_two_downloads(built_site, path.stem)
+
+
+@pytest.mark.slow
+def test_check_your_parts_links_each_part_to_its_chapters_notebooks(built_site):
+    links = hrefs((built_site / "parts.html").read_text())
+    for name, (chapter, _) in BUILD.items():
+        stem = CHAPTERS[chapter].stem
+        wanted = {f"{folder}/{stem}.ipynb" for folder in DOWNLOADS}
+        assert wanted <= links, f"parts page, {name}: no link to {sorted(wanted - links)}"
+
+
+def test_a_chapter_page_opens_with_its_title_then_its_downloads():
+    nb = nbformat.read(CHAPTERS[3], as_version=4)
+    shown = site_notebook(nb, CHAPTERS[3].stem)
+    title, links, rest = shown.cells[0].source.split("\n\n", 2)
+    assert title == f"# {chapter_title(nb)}" and links == download_links(CHAPTERS[3].stem, "../")
+    assert rest == nb.cells[0].source.split("\n\n", 1)[1] and shown.cells[1:] == site_notebook(nb).cells[1:]
+    assert 'href="../student/03_radix_tree.ipynb" download' in links
+    assert site_notebook(nb).cells[0].source == nb.cells[0].source   # no name: no links
+
+
+def test_stage_puts_both_copies_of_every_chapter_beside_the_figures(tmp_path):
+    names = stage(ROOT, tmp_path / "src")
+    assert names == [p.stem for p in CHAPTERS]
+    for name in names:
+        assert_the_two_downloads(tmp_path / "src" / "extra", name)
+    assert download_links(names[1]) in (tmp_path / "src" / "parts.md").read_text()
 
 
 def test_parts_page_lists_every_build_exercise_from_the_checker():

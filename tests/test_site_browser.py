@@ -4,7 +4,8 @@ with the reason when either is missing; without Sphinx the site fixture skips to
 
 From the landing page, "next" leads through chapters 0 to 9 in order; every page shows its title,
 every picture has loaded, the console shows no error and no request leaves 127.0.0.1. The search
-finds chapter 3 for "radix", and a chapter's glossary link for "slot" lands on its definition.
+finds chapter 3 for "radix", a chapter's glossary link for "slot" lands on its definition, and a
+chapter's "student copy" link downloads its student notebook.
 Marked slow (the site is built once per session: 20-40 s).
 """
 
@@ -22,6 +23,7 @@ import nbformat
 import pytest
 
 from kvlearn.workshop.site import chapter_title
+from kvlearn.workshop.student import student_copy
 from tests.test_browser import browser, free_port  # noqa: F401  (browser: the shared Chromium fixture)
 
 pytestmark = pytest.mark.slow
@@ -119,3 +121,18 @@ def test_glossary_link_of_slot_lands_on_its_definition(page):
     top = entry.evaluate("e => e.getBoundingClientRect().top")
     assert 0 <= top < page.viewport_size["height"], f"the definition is not in view (top at {top}px)"
     assert_clean(page, "glossary")
+
+
+def test_a_chapter_page_downloads_its_student_notebook(page, tmp_path):
+    path = CHAPTERS[4]
+    page.goto(page.server + f"chapters/{path.stem}.html")
+    link = page.locator("main a.kvlearn-download", has_text="student copy")
+    with page.expect_download(timeout=30_000) as download:
+        link.click()
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    assert saved.name == path.name, f"the download is named {saved.name!r}"
+    nb = nbformat.read(saved, as_version=4)
+    nbformat.validate(nb)
+    assert nb == student_copy(nbformat.read(path, as_version=4)), "the download is not the chapter's student copy"
+    assert_clean(page, f"{path.stem} download")

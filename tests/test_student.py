@@ -293,6 +293,8 @@ class MyAllocator(AllocatorBase):
     def alloc(self, n):
         """n pages off the free list, as an int64 tensor; KVCapacityError when fewer are free."""
         {BEGIN}
+        if n < 0:
+            raise ValueError(f"alloc({{n}}): n must be >= 0")
         if n > len(self.stack):
             raise KVCapacityError(f"{{n}} pages asked for, {{len(self.stack)}} free")
         taken = self.stack[len(self.stack) - n:][::-1]

@@ -9,7 +9,8 @@ At build time the chapters' words are linked to the glossary: in each chapter, t
 each glossary word (outside code, titles and links) links to its entry, and the engine map that
 opens the chapter links each part's words to the glossary and each `ch. N` to chapter N. In every
 page, code that names `docs/glossary.md` or `docs/instructor.md` links to that page, and code that
-names a file of figures/ links to the site's copy of it.
+names a file of figures/ links to the site's copy of it. Each chapter's two notebooks (instructor
+and student copy), staged in extra/ with the figures, are copied into the site as they are.
 """
 
 import sys
@@ -37,7 +38,7 @@ exclude_patterns = ["**/.ipynb_checkpoints", EXTRA]
 
 html_theme = "sphinx_book_theme"
 html_theme_options = {
-    "use_download_button": False,
+    "use_download_button": False,  # it would offer the staged page's source; each chapter links its two notebooks
     "use_fullscreen_button": False,
     "use_repository_button": False,
     "show_toc_level": 2,
@@ -171,7 +172,8 @@ def _classes(node) -> set:
 
 
 def _extra_files(app) -> None:
-    """What kvlearn.workshop.site staged in EXTRA (figures/) is copied into the site as it is."""
+    """What kvlearn.workshop.site staged in EXTRA (figures/, the notebooks to download) is copied
+    into the site as it is."""
     app.config.html_extra_path = [str(Path(app.srcdir) / EXTRA)]
 
 

@@ -21,8 +21,9 @@ class AllocatorPart(Protocol):
     """What the pool (and the block manager, for fresh blocks) asks of a page allocator.
 
     Rules: a page is handed out at most once until it is freed (never twice); `alloc(n)` with fewer
-    than `n` free pages raises `kvlearn.KVCapacityError` and takes nothing; `free` of a page that is
-    already free, listed twice, or outside 0 .. num_pages - 1 raises ValueError and frees nothing;
+    than `n` free pages raises `kvlearn.KVCapacityError` and takes nothing, and `alloc(n)` with
+    n < 0 raises ValueError and changes nothing; `free` of a page that is already free, listed
+    twice, or outside 0 .. num_pages - 1 raises ValueError and frees nothing;
     `num_free + pages held by callers == num_pages`. The free list is a stack (chapter 4): a fresh
     allocator hands out 0, 1, 2, ...; `alloc(n)` takes the first `n` of `free_pages`; `free(pages)`
     puts them back in front, `pages[0]` first, so the page freed last is handed out first.
@@ -42,7 +43,7 @@ class AllocatorPart(Protocol):
         """Query: a bool tensor, is each of these pages free?"""
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Mutation: take `n` free pages; a 1-D int64 tensor of their ids."""
+        """Mutation: take `n` (>= 0) free pages; a 1-D int64 tensor of their ids."""
 
     def free(self, pages: torch.Tensor) -> None:
         """Mutation: give back distinct pages (a 1-D int64 tensor, any number of them) that `alloc`

@@ -72,7 +72,8 @@ class BlockTablePart(Protocol):
         """Mutation: after `seq.append_token`, make sure every token has a block."""
 
     def deallocate(self, seq: Sequence) -> None:
-        """Mutation: release the sequence's blocks and empty its table."""
+        """Mutation: release the sequence's blocks, empty its table and set its
+        `num_cached_tokens` to 0."""
 
     def slot_mapping(self, seq: Sequence, start: int, end: int, device=None) -> torch.Tensor:
         """Query: the KV slots of token positions [start, end), a 1-D int64 tensor."""

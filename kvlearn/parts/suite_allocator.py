@@ -2,11 +2,12 @@
 
 A program is a page count (one in 20 has more than 256, and there allocs and frees are often whole,
 so that a free call gives back more than 256 pages) and random operations: alloc (some that fit,
-some one page too many), free of part or all of an earlier alloc (in a random order), a double free (a page already free,
-alone or next to one that is held), a free that lists a held page twice, and a free of a page
-outside 0 .. num_pages - 1. After every call the part's free pages must be the reference's, in
-the reference's order: a stack, so a fresh allocator hands out 0, 1, 2, ..., `alloc(n)` takes the
-first n of `free_pages`, and `free(pages)` puts them back in front, `pages[0]` first.
+some one page too many, some of a negative count), free of part or all of an earlier alloc (in a
+random order), a double free (a page already free, alone or next to one that is held), a free that
+lists a held page twice, and a free of a page outside 0 .. num_pages - 1. After every call the
+part's free pages must be the reference's, in the reference's order: a stack, so a fresh allocator
+hands out 0, 1, 2, ..., `alloc(n)` takes the first n of `free_pages`, and `free(pages)` puts them
+back in front, `pages[0]` first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ HINTS = {
              "(chapter 4: the free list is a stack; a page freed last is handed out first).",
     "capacity": "alloc(n) with fewer than n free pages raises kvlearn.KVCapacityError and takes nothing: "
                 "check before you change anything.",
+    "negative": "alloc(n) refuses a negative n (ValueError) and changes nothing: alloc(-1) would move the top of "
+                "the stack up and count a page free that nobody gave back (check n >= 0 first).",
     "free": "free(pages) puts each page back on the free list, once.",
     "order": "free(pages) puts the pages back on top of the stack, pages[0] on top: free_pages then starts "
              "with pages in the order given, and pages[0] is handed out first next time (chapter 4: push them "
@@ -69,7 +72,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     for trace.op, (op, r) in enumerate(ops):
         rng = random.Random(r)
         busy = [p for h in held for p in h]
-        order_hint = HINTS["state"]   # a refused call changes nothing, order included
+        order_hint = state_hint = HINTS["state"]   # a refused call changes nothing, order included
         if op == "alloc" and free:
             n = len(free) if big and rng.random() < 0.5 else rng.randint(0, len(free))
             got = ints(f"alloc({n})", trace.call(f"allocator.alloc({n})", allocator.alloc, n))
@@ -77,6 +80,10 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
             same(f"alloc({n}) with free_pages {free}", free[:n], got, HINTS["alloc"])
             free = free[n:]
             held.append(got)
+        elif op == "too_many" and rng.random() < 0.25:   # a negative count, drawn from this op's own seed
+            n = -rng.choice([1, 1, 2, n_pages + 1])
+            trace.refused(f"allocator.alloc({n})", (ValueError,), allocator.alloc, n, hint=HINTS["negative"])
+            order_hint = state_hint = HINTS["negative"]
         elif op == "too_many":
             n = len(free) + 1
             trace.refused(f"allocator.alloc({n})   # {len(free)} free", (KVCapacityError,), allocator.alloc, n,
@@ -110,19 +117,21 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
                           allocator.free, torch.tensor(pages), hint=HINTS["range"])
         else:
             continue
-        check_state(allocator, free, n_pages, trace, order_hint)
+        check_state(allocator, free, n_pages, trace, order_hint, state_hint)
 
 
-def check_state(allocator, free: list[int], n_pages: int, trace: Trace, order_hint: str) -> None:
+def check_state(allocator, free: list[int], n_pages: int, trace: Trace, order_hint: str,
+                state_hint: str = HINTS["state"]) -> None:
     """The part's free pages against the reference's `free`: how many, which, then in what order
-    (`order_hint`: the rule that set the order last)."""
+    (`order_hint`: the rule that set the order last; `state_hint`: the rule for the rest, the
+    refusal's own after a call that must change nothing)."""
     got = number("num_free", trace.call("allocator.num_free", lambda: allocator.num_free, quiet=True))
-    same("num_free", len(free), got, HINTS["state"])
+    same("num_free", len(free), got, state_hint)
     pages = list(trace.call("allocator.free_pages", lambda: allocator.free_pages, quiet=True))
-    same("free_pages (sorted)", sorted(free), sorted(pages), HINTS["state"])
+    same("free_pages (sorted)", sorted(free), sorted(pages), state_hint)
     same("free_pages (the order alloc hands them out)", free, pages, order_hint)
     everything = torch.arange(n_pages)
     flags = trace.call("allocator.is_free(torch.arange(num_pages))", allocator.is_free, everything, quiet=True)
     if not isinstance(flags, torch.Tensor) or flags.shape != everything.shape:
         raise Broken(f"is_free must return a bool tensor of one flag per page, got {flags!r}", HINTS["state"])
-    same("the pages is_free says are free", sorted(free), everything[flags.bool()].tolist(), HINTS["state"])
+    same("the pages is_free says are free", sorted(free), everything[flags.bool()].tolist(), state_hint)

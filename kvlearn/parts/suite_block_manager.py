@@ -6,7 +6,8 @@ blocks): allocate (often a prompt that extends an earlier one), compute (`hash_b
 token), append a token (and may_append, or preempt when there is no room), deallocate, misuse of a
 deallocated sequence, `slot_mapping`, `evict_cached`. After every call the part's blocks, counts
 (the prefix-cache counters in `stats` too), tables and free blocks must be the reference's, the
-free blocks in the order they will be handed out; `hash_blocks` must return how many blocks it hashed.
+free blocks in the order they will be handed out; `hash_blocks` must return how many blocks it hashed;
+a deallocated sequence has an empty table and `num_cached_tokens` 0.
 About one program in three builds the part with `hash_fn=colliding_hash`, a chained hash that
 collides on purpose, so that the collision guard is tested (the reference publishes by that hash).
 
@@ -76,6 +77,9 @@ HINTS = {
     "misuse": "deallocate, may_append, can_append, slot_mapping and hash_blocks raise ValueError for a sequence "
               "that is not allocated (never, or already deallocated), allocate for one that is, and they change "
               "nothing (BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
+    "reset": "deallocate sets seq.num_cached_tokens back to 0, as it empties seq.block_table: the sequence holds "
+             "no block, so none of its tokens is cached (a preempted sequence allocated again counts its hits "
+             "anew; chapter 2).",
     "slots": "slot_mapping(seq, start, end): token position p lives in slot "
              "block_table[p // block_size] * block_size + p % block_size (chapter 1).",
     "evict_cached": "evict_cached forgets every cached block nobody uses, gives them back to the allocator and "
@@ -146,6 +150,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
         dead.append(entry)
         prompts.append(list(s.token_ids))
         same(f"{name}.block_table after deallocate", [], list(s.block_table), hints["misuse"])
+        same(f"{name}.num_cached_tokens after deallocate", 0, s.num_cached_tokens, hints["reset"])
 
     for trace.op, (op, r) in enumerate(ops):
         rng = random.Random(r)

@@ -5,7 +5,8 @@ The part is built as `cls(num_blocks, block_size, enable_prefix_caching=False, a
 and judged by `BlockReference(..., caching=False)`: programs of allocate, append (may_append, or a
 preemption when there is no room), deallocate, misuse and `slot_mapping`, with every block's
 ref_count, the free blocks (which, and in what order: a deallocate gives its blocks back in table
-order) and the live tables compared after each call.
+order) and the live tables compared after each call; a deallocated sequence has an empty table and
+`num_cached_tokens` 0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ HINTS |= {
     "misuse": "deallocate, may_append, can_append and slot_mapping raise ValueError for a sequence that is not "
               "allocated (never, or already deallocated), allocate for one that is, and they change nothing "
               "(BlockManagerBase.check_live, check_new); deallocate empties seq.block_table.",
+    "reset": "deallocate sets seq.num_cached_tokens back to 0 and empties seq.block_table: a sequence without a "
+             "table has no token in the cache (chapter 1).",
 }
 
 

@@ -8,13 +8,18 @@ sources are staged (in build/site/src/), then Sphinx with docs/site/conf.py writ
   without its `>>` mark);
 - chapters/NN_name.ipynb: each notebook with its committed outputs, less its widget views (only a
   kernel draws them: each becomes a line pointing at the cells around it, which show its steps) and the widget
-  state (which would make the page load the widget scripts from the network);
+  state (which would make the page load the widget scripts from the network); under its title, links
+  to download its two notebooks;
 - glossary.md: docs/glossary.md with a label before each entry, which the chapters' pages link to;
 - instructor.md: docs/instructor.md;
 - parts.md: "Check your parts", written from `kvlearn.exercises.parts.BUILD` and the conformance
   suites (`kvlearn.parts.conformance.SUITES`), so it says what the checker does today;
 - extra/figures/: figures/ as committed, copied into the site, where each `figures/NAME` the
-  pages name in code links to it (the guide lists the figures to project).
+  pages name in code links to it (the guide lists the figures to project);
+- extra/notebooks/ and extra/student/: each chapter's notebook to download, as a clone lays them
+  out: the instructor copy (the committed notebook, byte for byte) and the student copy (written by
+  `kvlearn.workshop.student`, the rule of `make student`). The chapter pages and "Check your parts"
+  link to them.
 
 The text helpers (glossary entries, the words that link to them, the engine map's lines) are used
 by docs/site/conf.py too, which links the chapters' words to the glossary at build time.
@@ -30,13 +35,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from html import escape
 from pathlib import Path
 
 import nbformat
 
+from kvlearn.workshop.student import write_student_copies
+
 ROOT = Path(__file__).resolve().parents[2]   # the clone this module is in (an editable install)
 CONF_DIR = Path("docs") / "site"
 EXTRA = "extra"   # staged files the site carries as they are: figures/ (the guide names them to project)
+DOWNLOADS = {"notebooks": "instructor copy", "student": "student copy"}   # the site's folder of each copy
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("*In Jupyter a slider here steps through the run (a widget: only a running kernel draws it); "
                "on this page the cells around it show its steps as pictures or text.*")
@@ -225,8 +234,9 @@ instructor
 
 
 def parts_page(chapters: list[str]) -> str:
-    """"Check your parts": per build exercise, its %%part cell, contract, what the check judges and
-    the command, all read from the code that checks it. `chapters`: the notebooks' names in order."""
+    """"Check your parts": per build exercise, its %%part cell, its chapter's notebooks to download,
+    contract, what the check judges and the command, all read from the code that checks it.
+    `chapters`: the notebooks' names in order."""
     from kvlearn.exercises.parts import BUILD, FOLDER
     from kvlearn.parts.conformance import SUITES, contract_members
 
@@ -249,9 +259,10 @@ def parts_page(chapters: list[str]) -> str:
     for name, (chapter, attr) in BUILD.items():
         suite = SUITES[name]
         members = ", ".join(f"`{m}`" for m in contract_members(suite.contract))
+        notebook = _chapter_file(chapter, chapters)
         lines += ["", f"## Chapter {chapter}: `{name}`", "",
-                  f"In [chapter {chapter}](chapters/{_chapter_file(chapter, chapters)}.ipynb), the cell `%%part {name}` defines "
-                  f"`{attr}`; it is saved as `{FOLDER}/{name}.py`.", "",
+                  f"In [chapter {chapter}](chapters/{notebook}.ipynb), the cell `%%part {name}` defines "
+                  f"`{attr}`; it is saved as `{FOLDER}/{name}.py`.", "", download_links(notebook), "",
                   "**The command**, in the chapter's notebook:", "", "```python",
                   f"check_part({name!r}, {attr})", "```", "",
                   f"**The contract**: `kvlearn.parts.{suite.contract.__name__}`, members {members}.", "",
@@ -272,11 +283,25 @@ def _chapter_file(chapter: int, chapters: list[str]) -> str:
     return found[0]
 
 
-def site_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def download_links(name: str, up: str = "") -> str:
+    """A paragraph of HTML linking chapter `name`'s two notebooks for download; `up` leads from the
+    page to the site's root ("../" from chapters/)."""
+    links = [f'<a class="kvlearn-download" href="{up}{folder}/{escape(name)}.ipynb" download>{what}</a>'
+             for folder, what in DOWNLOADS.items()]
+    return (f'<p class="kvlearn-downloads">Download the notebook: {links[0]} (worked solutions and outputs) or '
+            f'{links[1]} (exercises left for you, as <code>make student</code> writes them)</p>')
+
+
+def site_notebook(nb: nbformat.NotebookNode, name: str | None = None) -> nbformat.NotebookNode:
     """The chapter as the site shows it: each widget view replaced by a line saying where its static
-    pictures are, the widget state dropped. Everything else, outputs included, unchanged."""
+    pictures are, the widget state dropped, and, given the chapter's `name`, its `download_links`
+    under the title. Everything else, outputs included, unchanged."""
     nb = nbformat.from_dict(nb)   # a copy
     nb.metadata.pop("widgets", None)
+    if name is not None:
+        chapter_title(nb)   # the links go under the title line: there must be one
+        title, _, rest = nb.cells[0].source.strip().partition("\n")
+        nb.cells[0].source = f"{title}\n\n{download_links(name, '../')}\n\n{rest.lstrip()}"
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": WIDGET_NOTE})
@@ -292,8 +317,11 @@ def stage(root: Path, dest: Path) -> list[str]:
     chapters = {p.stem: nbformat.read(p, as_version=4) for p in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))}
     if not chapters:
         raise ValueError(f"no chapters in {root / 'notebooks'}: run from the repository's root")
+    (dest / EXTRA / "notebooks").mkdir(parents=True)
     for name, nb in chapters.items():
-        nbformat.write(site_notebook(nb), dest / "chapters" / f"{name}.ipynb")
+        nbformat.write(site_notebook(nb, name), dest / "chapters" / f"{name}.ipynb")
+        shutil.copyfile(root / "notebooks" / f"{name}.ipynb", dest / EXTRA / "notebooks" / f"{name}.ipynb")
+    write_student_copies(root / "notebooks", dest / EXTRA / "student")
     readme = (root / "README.md").read_text()
     (dest / "index.md").write_text(landing_page(readme, chapters))
     (dest / "glossary.md").write_text(label_glossary((root / "docs" / "glossary.md").read_text()))
