@@ -128,3 +128,20 @@ def test_the_triton_attention_meets_chapter_5s_attention_contract():
 
     report = kvlearn.parts.check("attention", triton_paged_attention, programs=30, time_limit_s=60)
     assert report.passed, report.message
+
+
+def test_the_kernels_compile_for_an_h200():
+    """The interpreter runs a kernel's Python; a GPU build also type-checks and lowers it. Triton
+    compiles for sm_90 here, with no GPU, in a process that does not interpret."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernel_compile"], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    assert len(lines) == 6 and all(cubin == "True" for _, cubin, _ in lines), done.stdout   # machine code made
+    assert all(int(shared) <= 100 * 1024 for _, _, shared in lines), done.stdout           # fits a GPU's shared memory
