@@ -125,3 +125,21 @@ def test_a_crashing_check_is_reported_and_the_others_still_run():
 def test_check_takes_no_options(capsys):
     assert main(["check", "--fast"]) == 2
     assert "takes no options" in capsys.readouterr().err
+
+
+def test_triton_is_wanted_on_linux_only(monkeypatch):
+    """Triton's wheels are Linux only: elsewhere its absence is a NOTE, and the packages line skips it."""
+    real = importlib.metadata.version
+
+    def no_triton(name):
+        if name == "triton":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(env.importlib.metadata, "version", no_triton)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert env.triton().status == "FAIL" and "triton" in env.packages().detail
+    monkeypatch.setattr(sys, "platform", "darwin")
+    note = env.triton()
+    assert note.status == "NOTE" and "Linux" in note.detail and "chapter 5" in note.detail
+    assert env.packages().status == "OK"

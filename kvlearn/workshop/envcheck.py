@@ -55,6 +55,12 @@ def required() -> dict:
     return {req.name: req for req in map(Requirement, filter(None, lines))}
 
 
+def applies(req) -> bool:
+    """Whether a requirements.txt line is for this machine (its environment marker, if any, holds).
+    sys.platform is read at each call (packaging caches the rest of its environment)."""
+    return req.marker is None or req.marker.evaluate({"sys_platform": sys.platform})
+
+
 def installed(name: str, why: str = "") -> Check:
     """One package from requirements.txt, at a version it allows."""
     req = required()[name]
@@ -68,10 +74,11 @@ def installed(name: str, why: str = "") -> Check:
 
 def packages() -> Check:
     """Every line of requirements.txt, in one line."""
-    failed = [f"{c.name} {c.detail}" for c in map(installed, required()) if c.status == "FAIL"]
+    wanted = [name for name, req in required().items() if applies(req)]
+    failed = [f"{c.name} {c.detail}" for c in map(installed, wanted) if c.status == "FAIL"]
     if failed:
         return Check("FAIL", "packages", "; ".join(failed), SETUP_FIX)
-    return Check("OK", "packages", f"all {len(required())} in requirements.txt at allowed versions")
+    return Check("OK", "packages", f"all {len(wanted)} in requirements.txt for this machine at allowed versions")
 
 
 def torch_works() -> Check:
@@ -184,11 +191,20 @@ def transformers() -> Check:
     return installed("transformers")
 
 
+def triton() -> Check:
+    """Triton runs chapter 5's last section (its kernels, in Triton's interpreter on a CPU); it ships
+    wheels for Linux only, and nothing else in the course needs it."""
+    if not applies(required()["triton"]):
+        return Check("NOTE", "triton", f"no Triton for {sys.platform} (its wheels are for Linux): chapter 5's "
+                     "section on the GPU stops there with a message; nothing else needs it")
+    return installed("triton", ": chapter 5's section on the GPU runs its kernels")
+
+
 def ipywidgets() -> Check:
     return installed("ipywidgets", ": the step-through widgets need it")
 
 
-CHECKS = (python_version, packages, torch_works, transformers, model_wheel, converted_model, graphviz_dot,
+CHECKS = (python_version, packages, torch_works, transformers, triton, model_wheel, converted_model, graphviz_dot,
           jupyter_kernel, ipywidgets, memory, disk)
 
 
