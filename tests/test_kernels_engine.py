@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-import kvlearn.kernels.decode
-import kvlearn.kernels.extend
-import kvlearn.kernels.store
+import kvlearn.kernels
 from kvlearn import Engine, EngineConfig
+from kvlearn.attention import paged_attention
 from kvlearn.kernels import resolve_attention_backend
 from tests.hf_reference import hf_greedy
 
@@ -34,9 +33,11 @@ class Counted:
 @triton_missing
 @pytest.mark.slow
 def test_the_triton_backend_serves_hf_tokens_and_launches_kernels(model, tokenizer, monkeypatch):
+    from kvlearn.kernels import decode, extend, store   # triton: imported only where it exists
+
     kernels = {}
-    for module, name in ((kvlearn.kernels.store, "store_kernel"), (kvlearn.kernels.decode, "decode_kernel"),
-                         (kvlearn.kernels.decode, "decode_reduce_kernel"), (kvlearn.kernels.extend, "extend_kernel")):
+    for module, name in ((store, "store_kernel"), (decode, "decode_kernel"), (decode, "decode_reduce_kernel"),
+                         (extend, "extend_kernel")):
         kernels[name] = Counted(getattr(module, name))
         monkeypatch.setattr(module, name, kernels[name])
     prompts = ["What is the capital of France?", "What is the capital of Spain?"]   # a shared chat prefix
@@ -68,7 +69,7 @@ def test_backend_options_are_checked_with_clear_errors():
 def test_auto_serves_chapter_5s_attention_on_a_cpu(model, tokenizer):
     engine = Engine(model, tokenizer, num_slots=64)
     assert engine.attention_backend == "torch"
-    assert engine.runner.attention is kvlearn.attention.paged_attention
+    assert engine.runner.attention is paged_attention
 
 
 def test_triton_missing_is_refused_with_what_to_do(monkeypatch):
