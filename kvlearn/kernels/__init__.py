@@ -18,11 +18,10 @@ This module imports no triton itself: `import kvlearn.kernels` works where trito
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvlearn.attention import paged_attention
+from kvlearn.errors import check_choice
 
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
 
@@ -36,16 +35,11 @@ def triton_import_error() -> str | None:
     return None
 
 
-def interpreter_requested() -> bool:
-    """Whether the environment asks for Triton's interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def resolve_attention_backend(name: str, device) -> str:
     """"torch" or "triton" for `attention_backend=name` on `device`; "auto" is triton on CUDA when
-    triton imports, torch otherwise. ValueError (what to do) when "triton" cannot run there."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, got {name!r}.")
+    triton imports, torch otherwise. ValueError (what to do) when "triton" cannot run there: triton
+    missing, or a CPU whose kernels are not interpreted (`kvlearn.kernels.common.check_launch`)."""
+    check_choice("attention_backend", name, ATTENTION_BACKENDS)
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
         return "triton" if on_cuda and triton_import_error() is None else "torch"
@@ -55,19 +49,16 @@ def resolve_attention_backend(name: str, device) -> str:
             raise ValueError(f"attention_backend='triton' needs the triton package, which does not import here "
                              f"({why}). Triton ships wheels for Linux only: `pip install triton` there, or use "
                              "attention_backend='torch'.")
-        if not on_cuda and not interpreter_requested():
-            raise ValueError("attention_backend='triton' on a CPU needs Triton's interpreter: set the environment "
-                             "variable TRITON_INTERPRET=1 before Python starts (slow: for tests and small examples), "
-                             "or run on a CUDA GPU, or use attention_backend='torch'.")
+        from kvlearn.kernels.common import check_launch
+
+        check_launch(device)
     return name
 
 
-def attention_function(name: str, device):
-    """The attention function (chapter 5's signature) of backend `name` on `device`."""
-    if resolve_attention_backend(name, device) == "torch":
+def attention_function(backend: str):
+    """The attention function (chapter 5's signature) of a resolved backend, "torch" or "triton"."""
+    if backend == "torch":
         return paged_attention
     from kvlearn.kernels.backend import triton_paged_attention
-    from kvlearn.kernels.common import check_launch
 
-    check_launch(device)
     return triton_paged_attention
