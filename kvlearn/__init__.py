@@ -41,7 +41,7 @@ def _tiered_kv(options, pool, model):
 
 def _part_guards() -> dict:
     """kvlearn.parts' guards, by part name."""
-    from kvlearn.parts.guarded_kv import GUARDS
+    from kvlearn.parts.guard import GUARDS
 
     return GUARDS
 

@@ -1,7 +1,7 @@
-"""`kvlearn.parts.check` keeps its promise: time limits that catch endless loops but not slow laptops
-(per call, relative to the package's own part timed on the same programs), a failed report for
-whatever the part raises (a real Ctrl-C still stops the check), options refused when they make no
-sense, a checker that a part cannot replace, and kvlearn's own failures reported as kvlearn's."""
+"""`kvlearn.parts.check` keeps its promise: a time limit per call (the standard library's
+`signal.setitimer`) that catches endless loops but not slow laptops, a failed report for whatever
+the part raises (a real Ctrl-C still stops the check), options refused when they make no sense, and
+a failure the suite cannot read reported as possibly kvlearn's."""
 
 import os
 import signal
@@ -13,10 +13,9 @@ import time
 import pytest
 import torch
 
-import kvlearn.parts
 from kvlearn.allocator import PageAllocator
 from kvlearn.exercises.parts import check_part
-from kvlearn.parts import PARTS, check, suite_allocator
+from kvlearn.parts import check
 from kvlearn.radix import RadixCache
 
 
@@ -46,18 +45,6 @@ class LoopsForever(RadixCache):
             pass
 
 
-class SleepsInEveryCall(PageAllocator):
-    """Correct, but each alloc and free takes 20 ms: some thousand times the package's."""
-
-    def alloc(self, n):
-        time.sleep(0.02)
-        return super().alloc(n)
-
-    def free(self, pages):
-        time.sleep(0.02)
-        return super().free(pages)
-
-
 def test_a_correct_but_slow_part_passes_on_a_busy_machine():
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
@@ -68,11 +55,9 @@ def test_a_correct_but_slow_part_passes_on_a_busy_machine():
         for process in busy:
             process.kill()
             process.wait()
-    assert report.passed, report.message
-    assert "Its calls took" in report.message and "the package's paged_attention" in report.message
-    assert report.seconds > 0 and report.reference_seconds > 0
-    print(f"busy machine: the check took {took:.1f} s; the part's calls {report.seconds:.2f} s, "
-          f"the package's {report.reference_seconds:.2f} s")
+    assert report.passed and "its calls took" in report.message, report.message
+    assert report.seconds > 0
+    print(f"busy machine: the check took {took:.1f} s; the part's calls {report.seconds:.2f} s")
 
 
 def test_an_endless_loop_fails_within_seconds():
@@ -83,22 +68,6 @@ def test_an_endless_loop_fails_within_seconds():
     assert "cache.evict(" in report.message.splitlines()[-3]
     assert took < 15, took
     print(f"endless loop: failed after {took:.1f} s")
-
-
-def test_an_endless_loop_is_stopped_off_the_main_thread_too():
-    reports = []
-    worker = threading.Thread(target=lambda: reports.append(check("radix_cache", LoopsForever, time_limit_s=0.5)))
-    worker.start()
-    worker.join(60)
-    assert reports and not reports[0].passed and "did not return within 0.5 s" in reports[0].message
-    time.sleep(0.5)
-    assert not [t for t in threading.enumerate() if t.name.startswith("kvlearn.parts.check")]   # the loop stopped
-
-
-def test_a_part_slow_in_every_call_fails_on_the_total_limit():
-    report = check("allocator", SleepsInEveryCall, time_limit_s=0.2)   # 10x a call: no call times out
-    assert not report.passed and "All programs together took more than" in report.message, report.message
-    assert "times the package's PageAllocator" in report.message
 
 
 def test_a_real_ctrl_c_stops_the_check():
@@ -125,7 +94,7 @@ def test_a_real_ctrl_c_stops_the_check():
 
 
 class Raises(PageAllocator):
-    error: BaseException = KeyboardInterrupt()
+    error: BaseException = SystemExit()
 
     def alloc(self, n):
         raise self.error
@@ -136,8 +105,7 @@ class Mine(BaseException):
         raise RuntimeError("no message")
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), GeneratorExit(), Mine(), SystemExit(3)],
-                         ids=["KeyboardInterrupt", "GeneratorExit", "custom", "SystemExit"])
+@pytest.mark.parametrize("error", [GeneratorExit(), Mine(), SystemExit(3)], ids=["GeneratorExit", "custom", "SystemExit"])
 @pytest.mark.parametrize("thread", ["main", "worker"])
 def test_whatever_the_part_raises_is_a_failed_report(error, thread):
     part = type("Raises", (Raises,), {"error": error})
@@ -166,49 +134,8 @@ def test_options_that_make_no_sense_are_refused(options, error, capsys):
     assert capsys.readouterr().out == ""   # nothing was judged
 
 
-def test_a_part_that_replaces_the_checker_fails_and_the_checker_is_put_back():
-    same = suite_allocator.same
-
-    class Silences(PageAllocator):   # wrong, and hides it: every comparison of the suite passes
-        def __init__(self, *args, **kwargs):
-            suite_allocator.same = lambda *a, **k: None
-            super().__init__(*args, **kwargs)
-
-        def alloc(self, n):
-            return super().alloc(n).flip(0)
-
-    report = check("allocator", Silences)
-    assert not report.passed and "kvlearn's checker was changed" in report.message, report.message
-    assert "suite_allocator.same" in report.message
-    assert suite_allocator.same is same
-    assert check("allocator", PageAllocator, programs=20).passed
-
-
-def test_a_check_swapped_in_kvlearn_parts_is_put_back(monkeypatch):
-    genuine = kvlearn.parts.check
-    monkeypatch.setattr(kvlearn.parts, "check", lambda *args, **kwargs: "passed")
-    report = genuine("allocator", PageAllocator, programs=5)
-    assert not report.passed and "kvlearn.parts.check" in report.message
-    assert kvlearn.parts.check is genuine
-
-
-def test_check_part_uses_the_checker_kvlearn_imported(monkeypatch, capsys):
-    monkeypatch.setattr(kvlearn.parts, "check", lambda *args, **kwargs: "passed")
-    assert check_part("allocator", PageAllocator, programs=5) is False
-    assert "kvlearn.parts.check" in capsys.readouterr().out
-
-
-def test_a_failure_of_kvlearn_s_own_code_is_reported_as_the_checker_s_bug(monkeypatch):
-    def boom(*args, **kwargs):
-        raise SystemExit("a bug")
-
-    monkeypatch.setattr(PageAllocator, "alloc", boom)   # the package's own part, the reference
-    report = check("allocator", PARTS["allocator"], programs=5)
-    assert not report.passed and "bug in kvlearn's checker, please report it" in report.message, report.message
-    assert "SystemExit" in report.message and "PageAllocator fails program" in report.message
-    monkeypatch.undo()
-
+def test_a_failure_the_suite_cannot_read_may_be_kvlearn_s_and_says_so(monkeypatch):
     monkeypatch.setattr(torch, "allclose", lambda *args, **kwargs: 1 / 0)   # the suite's own comparison
     report = check("attention", loop_attention, programs=5)
-    assert not report.passed and "bug in kvlearn's checker" in report.message, report.message
+    assert not report.passed and "this is a bug in kvlearn's checker: please report it" in report.message
     assert "ZeroDivisionError" in report.message

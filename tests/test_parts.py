@@ -6,8 +6,6 @@ The buggy ones inherit the package's classes and break one rule each.
 """
 
 import functools
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -390,24 +388,6 @@ def test_an_endless_loop_fails_within_the_time_limit():
     assert "cache.evict(" in report.message.splitlines()[-3]
 
 
-def test_an_endless_loop_off_the_main_thread_fails_too():
-    released = threading.Event()
-
-    class LoopsUntilReleased(RadixCache):   # released at the end, so no thread keeps spinning
-        def evict(self, num_tokens):
-            while not released.is_set():
-                time.sleep(0.001)
-            return 0
-
-    reports = []
-    worker = threading.Thread(target=lambda: reports.append(check("radix_cache", LoopsUntilReleased,
-                                                                  time_limit_s=0.5)))
-    worker.start()
-    worker.join(30)
-    released.set()
-    assert reports and not reports[0].passed and "endless loop" in reports[0].message
-
-
 @pytest.mark.parametrize("impl", [None, 3, "RadixCache", lambda **kw: 1 / 0])
 def test_check_never_raises_because_of_the_part(impl):
     report = check("radix_cache", impl)
@@ -440,9 +420,9 @@ def test_every_list_of_parts_is_read_from_the_registry():
     assert [row[0] for row in table] == [f'"{name}"' for name in names]
     for part, row in zip(REGISTRY, table):
         suite = SUITES[part.name]
-        assert suite.part is part and suite.module.__name__ == f"kvlearn.parts.suite_{part.name}"
-        assert PARTS[part.name] is suite.reference and BUILD[part.name] == (part.chapter, part.exercise)
-        assert PART_MODES.get(part.name, ()) == part.modes and part.package is suite.reference
+        assert suite.record is part and suite.module.__name__ == f"kvlearn.parts.suite_{part.name}"
+        assert PARTS[part.name] is suite.package and BUILD[part.name] == (part.chapter, part.exercise)
+        assert PART_MODES.get(part.name, ()) == part.modes and part.package is suite.package
         assert row[2:4] == [part.taught, suite.contract.__name__]
     assert [part.taught for part in REGISTRY[:3]] == ["chapter 1", "chapters 1-2", "chapter 3"]
 

@@ -1,16 +1,15 @@
 """Parts: the learner's code inside the engine.
 
 A part is a class (for "attention", a function) with the contract of the package's own, built with
-the same arguments; the table at the end, read from the registry of parts (kvlearn.serving.part_registry),
-lists them. `Engine(model, tok, cache="radix", parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})`
-serves with them (missing parts are the package's), each behind a guard that checks its answers
-(`kvlearn.parts.guard`, `guard_caches`, `guarded_kv`); `check("radix_cache", MyRadixCache)` runs the
-conformance suite and returns a `CheckReport` (`.passed`, `.message`). A part never needs to
-inherit from the package's finished class; the bases (which the package's parts inherit too) hold only
-what the chapter does not teach.
-"block_table" is checked and drawn (chapter 1) but serves no engine: the engine's block manager is
-"block_manager", which chapter 2 grows from it. Both are built like `kvlearn.BlockManager`, the
-block table with `enable_prefix_caching=False`.
+the same arguments; the table at the end lists them (from the registry of parts,
+kvlearn.serving.part_registry). `check("radix_cache", MyRadixCache)` runs the part's conformance
+suite and returns a `CheckReport` (`.passed`, `.message`); `Engine(model, tok, cache="radix",
+parts={"radix_cache": MyRadixCache, "allocator": MyAllocator})` serves with them (missing parts are
+the package's), behind thin checks (`kvlearn.parts.guard`). A part never needs to inherit from the
+package's finished class; the bases (which the package's parts inherit too) hold only what the
+chapter does not teach. "block_table" is checked and drawn (chapter 1) but serves no engine: the
+engine's block manager is "block_manager", which chapter 2 grows from it (both are built like
+`kvlearn.BlockManager`, the block table with `enable_prefix_caching=False`).
 
 """
 
@@ -21,17 +20,16 @@ from kvlearn.parts.conformance import SUITES, CheckReport, check
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 
-# Each part's name -> the package's own class (for "attention", function) of that name (what a missing
-# part is; "block_table" is BlockManager built with enable_prefix_caching=False).
-PARTS = {name: suite.reference for name, suite in SUITES.items()}
+# Each part's name -> the package's own part: what a missing part is.
+PARTS = {name: suite.package for name, suite in SUITES.items()}
 
 
 def _docs_table() -> str:
     """The end of this package's docstring: a markdown table of the parts, in the registry's order."""
     rows = [("name", "the package's", "taught in", "contract", "base for untaught bookkeeping")]
     for name, suite in SUITES.items():
-        package, bases = suite.reference, getattr(suite.reference, "__bases__", ())
-        rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.part.taught,
+        package, bases = suite.package, getattr(suite.package, "__bases__", ())
+        rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.record.taught,
                      suite.contract.__name__, bases[0].__name__ if bases else "(none: a function)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     rows.insert(1, tuple("-" * width for width in widths))

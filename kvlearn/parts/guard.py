@@ -1,34 +1,28 @@
-"""Trust but verify: the guards a learner's part serves behind (chapter 6's hook, read in
-`kvlearn.parts.guarded_kv.GUARDS`).
+"""Trust but verify: how a learner's part serves in the engine (`GUARDS`, the table chapter 6's hook
+reads: `kvlearn.serving.part_registry.served`; `kvlearn/__init__` registers it).
 
-The package's own parts are called as they are: nothing here runs for them. A part that is not the
-package's serves behind a guard that checks every answer before the engine uses it, against an
-account of the guard's own, in code that `python -O` keeps:
-
-- allocator: `AllocatorGuard`, the pool's account of the pages its callers hold;
-- radix_cache: `RadixGuard` (kvlearn.parts.guard_caches): which slots the tree holds, for which
-  token at which position, and which of them lie on locked paths;
-- block_manager: `BlockManagerGuard` (the same module): which live block table holds each block,
-  and which prefix the KV of each computed block belongs to;
-- attention: `guard_attention(fn)`: the output's shape, dtype and no NaN.
-
-A wrong answer raises `kvlearn.PartError` naming the part, the call, what it returned and what the
-contract says. A cache guard whose part broke its contract is `broken`: its KV manager (the guarded
-modes in `kvlearn.parts.guarded_kv`) asks the part nothing more, releases the requests the step
-aborts from the guard's own account, and, once no request holds KV, empties the part and gives
-back every slot it held (`drop_all`), so the engine serves on.
+A part that passed `check` serves behind thin checks at its boundary: the types, lengths and ranges
+of its answers, and the ownership of the slots it hands out (a page the allocator hands out is not
+held; a match's slots are distinct and the tree's; a new block is in no other live table). After
+every step the engine's own invariants run (`KVManager.check`: slot conservation, one row per
+running request, blocks in use == blocks in live tables). The first violation raises
+`kvlearn.PartError`, naming the part, the call and the rule, and the engine stops (a new Engine
+serves again): a wrong part never serves wrong tokens silently. The package's own parts are
+called as they are. Checks are code, not `assert`: `python -O` keeps them.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, PartError
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from kvlearn.parts.conformance import SUITES, missing_members
+from kvlearn.pool import KVPool
+from kvlearn.serving.cache_modes import BlockKV, RadixKV
+from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 
 
 def shown(value, edge: int = 8) -> str:
@@ -45,41 +39,47 @@ def shown(value, edge: int = 8) -> str:
 
 
 class Guard:
-    """What every guard shares: the part it wraps, and `fail`, which marks the guard broken and
-    raises the PartError (also kept in `error`, so that a part that swallows it in a callback is
-    still caught when its call returns)."""
+    """A learner's part behind checks: members it does not check are the part's own (`__getattr__`)."""
 
     name: str   # the part's name ("radix_cache", ...)
 
     def __init__(self, part):
-        self.part, self.broken, self.error = part, False, None
+        self.part = part
 
-    def fail(self, call: str, returned: str, contract: str):
-        self.broken = True
-        self.error = PartError(self.name, self.part, call, returned, contract)
-        raise self.error
+    def __getattr__(self, member: str):
+        if "part" not in self.__dict__:
+            raise AttributeError(member)
+        return getattr(self.__dict__["part"], member)
 
-    def check_int(self, call: str, value, low: int, high: int, what: str) -> int:
-        if not is_int(value) or not low <= value <= high:
+    def fail(self, call: str, returned: str, rule: str):
+        raise PartError(self.name, self.part, call, returned, rule)
+
+    def integer(self, call: str, value, low: int, high: int, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             self.fail(call, shown(value), f"{what}: an int in {low} .. {high}")
         return value
 
-    def raise_swallowed(self) -> None:
-        """After a call that runs the guard's callbacks: the error a callback raised, even if the part caught it."""
-        if self.error is not None:
-            raise self.error
+    def slots(self, call: str, value, n: int | None, limit: int, what: str) -> torch.Tensor:
+        """`value` checked: a 1-D int64 tensor (of `n` items, if given) of distinct ids in 0 .. limit - 1."""
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.dim() == 1
+                and n in (None, value.numel())):
+            self.fail(call, shown(value), f"{what}: a 1-D int64 tensor" + (f" of {n} ids" if n is not None else ""))
+        if value.numel() and not ((value >= 0) & (value < limit)).all():
+            self.fail(call, shown(value), f"{what}: ids in 0 .. {limit - 1}")
+        ordered, where = value.sort(stable=True)
+        twice = (ordered[1:] == ordered[:-1]).nonzero()
+        if len(twice):
+            i = int(twice[0])
+            first, second = sorted((int(where[i]), int(where[i + 1])))
+            self.fail(call, shown(value), f"{what}, each once: {int(ordered[i])} appears twice, at positions "
+                                          f"{first} and {second}")
+        return value
 
 
 class AllocatorGuard(Guard):
-    """A learner's page allocator (kvlearn.parts "allocator"), built as `part_cls(num_pages,
-    device=...)`, as the pool calls it: every page it hands out is checked against the guard's own
-    account of the pages callers hold (`held`), and that account, not the part's, answers
-    `num_free` and `is_free`. The pool builds it as it builds an allocator class:
-    `functools.partial(AllocatorGuard, part_cls)(num_pages, device=...)`.
-
-    Invariant: `held[p]` exactly when `alloc` handed out page p and `free` has not taken it back;
-    an answer that breaks the part's contract raises `PartError` and leaves the account unchanged
-    (the pages of a refused `alloc` that were rightly free go back to the part)."""
+    """A learner's page allocator, built as the pool builds one (`partial(AllocatorGuard, cls)(num_pages,
+    device=...)`). Ownership: `held[p]` while page p is handed out; `alloc` hands out only pages
+    nobody holds, and the pool's account answers `num_free` and `is_free`."""
 
     name = "allocator"
 
@@ -87,75 +87,42 @@ class AllocatorGuard(Guard):
         self.num_pages, self.device = num_pages, resolve_device(device)
         super().__init__(part_cls(num_pages, device=self.device))
         self.held = torch.zeros(num_pages, dtype=torch.bool, device=self.device)
-        self.num_held = 0
 
     @property
     def num_free(self) -> int:
-        return self.num_pages - self.num_held
-
-    @property
-    def free_pages(self) -> list[int]:
-        """The part's free list (for pictures): the pages it will hand out, in its order."""
-        return self.part.free_pages
+        return self.num_pages - int(self.held.sum())
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
         return ~self.held[pages.to(self.device)]
 
     def alloc(self, n: int) -> torch.Tensor:
-        """The part's `alloc(n)`, checked: n distinct int64 page ids in range that nobody holds."""
         call = f"alloc({n})"
         try:
             pages = self.part.alloc(n)
         except KVCapacityError as err:   # the pool asks only for pages its account says are free
-            raise PartError("allocator", self.part, call, f"KVCapacityError ({err})",
-                            f"{self.num_free} of its {self.num_pages} pages are free, so alloc({n}) must "
-                            "succeed") from err
-        if not (isinstance(pages, torch.Tensor) and pages.dtype == torch.int64 and pages.dim() == 1
-                and pages.numel() == n):
-            got = f"a {pages.dtype} tensor of shape {list(pages.shape)}" if isinstance(pages, torch.Tensor) else shown(pages)
-            self.fail(call, got, f"alloc(n) returns a 1-D int64 tensor of n={n} page ids")
-        pages = pages.to(self.device)
-        if n:
-            in_range = (pages >= 0) & (pages < self.num_pages)
-            first = torch.ones(n, dtype=torch.bool, device=self.device)   # the first time each id appears
-            order = torch.sort(pages, stable=True)
-            first[order.indices[1:]] = order.values[1:] != order.values[:-1]
-            unheld = ~self.held[pages.clamp(0, self.num_pages - 1)]
-            usable = in_range & first & unheld
-            if not usable.all():
-                i = int((~usable).nonzero()[0])
-                why = (f"page {int(pages[i])} is not one of 0 .. {self.num_pages - 1}" if not in_range[i] else
-                       f"page {int(pages[i])} appears twice" if not first[i] else
-                       f"page {int(pages[i])} is held (handed out before and not freed since)")
-                if usable.any():   # the pages it rightly took from its free list go back to it
-                    self.part.free(pages[usable])
-                self.fail(call, f"pages {shown(pages)}", f"a page is handed out at most once until it is freed: {why}")
+            self.fail(call, f"KVCapacityError ({err})", f"{self.num_free} of its {self.num_pages} pages are free, so "
+                                                        f"alloc({n}) must succeed")
+        pages = self.slots(call, pages, n, self.num_pages, "alloc(n) returns n pages").to(self.device)
+        if self.held[pages].any():
+            page = int(pages[self.held[pages]][0])
+            self.fail(call, f"pages {shown(pages)}", f"a page is handed out at most once until it is freed: page "
+                                                     f"{page} is held (handed out before and not freed since)")
         self.held[pages] = True
-        self.num_held += n
         return pages
 
     def free(self, pages: torch.Tensor) -> None:
-        """Distinct, in-range pages (the pool checked them): refused, nothing freed, unless every one
-        is held; then the account and the part take them back (a part that refuses: PartError)."""
-        if not pages.numel():
-            return
         pages = pages.to(self.device)
         if not self.held[pages].all():
             bad = pages[~self.held[pages]][:5].tolist()
-            raise ValueError(f"Double free: page(s) {bad} are free by the pool's account; free only what alloc handed out.")
+            raise ValueError(f"Double free: page(s) {bad} are free by the pool's account; free only what alloc "
+                             "handed out.")
+        self.part.free(pages)
         self.held[pages] = False
-        self.num_held -= pages.numel()
-        try:
-            self.part.free(pages)
-        except Exception as err:
-            raise PartError("allocator", self.part, f"free(pages {shown(pages)})", f"{type(err).__name__} ({err})",
-                            "free takes back distinct pages that alloc handed out; the pool counts them free "
-                            "now, the part will not hand them out again") from err
 
 
 def guard_attention(fn):
-    """A learner's attention function (kvlearn.parts "attention") with its output checked in every
-    layer: [T, heads, head_dim] like the query, the query's dtype and device, no NaN."""
+    """A learner's attention function with its output checked in every layer: [T, heads, head_dim]
+    like the query, the query's dtype and device, no NaN."""
 
     def guarded(query, key, value, layer, kv_pool, md, scale=None):
         out = fn(query, key, value, layer, kv_pool, md, scale)
@@ -170,3 +137,168 @@ def guard_attention(fn):
 
     guarded.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
     return guarded
+
+
+class RadixGuard(Guard):
+    """A learner's radix tree as `RadixKV` calls it. Ownership: `held[s]` while the tree holds slot s
+    (given by `insert_prefix`, handed back through `evict_callback`); a match's slots are held."""
+
+    name = "radix_cache"
+
+    def __init__(self, part_cls, pool: KVPool):
+        self.pool, self.page_size = pool, pool.page_size
+        self.held = torch.zeros(pool.num_slots, dtype=torch.bool, device=pool.device)
+        self.handed = 0   # slots handed to evict_callback in the current evict
+        super().__init__(part_cls(page_size=pool.page_size, evict_callback=self.evicted, device=pool.device))
+
+    def match(self, call: str, key: list, match) -> torch.Tensor:
+        indices = self.slots(call, getattr(match, "indices", None), None, self.pool.num_slots, "a match's slots")
+        if len(indices) > len(key):
+            self.fail(call, f"{shown(indices)} for a key of {len(key)} tokens", "a match is never longer than its key")
+        if len(indices) % self.page_size:
+            self.fail(call, shown(indices), f"only whole pages of {self.page_size} tokens are matched")
+        if not self.held[indices].all():
+            self.fail(call, shown(indices), f"a match's slots are the tree's: slot {int(indices[~self.held[indices]][0])} "
+                                            "was never inserted, or was evicted")
+        return indices
+
+    def match_prefix(self, key: list):
+        match = self.part.match_prefix(key)
+        self.match(f"match_prefix(a key of {len(key)} tokens)", key, match)
+        return match
+
+    def insert_prefix(self, key: list, value: torch.Tensor):
+        """The tree keeps its own slots for the `already` tokens it had and takes value[already:end]."""
+        call, end = f"insert_prefix(a key of {len(key)} tokens)", len(key) // self.page_size * self.page_size
+        answer = self.part.insert_prefix(key, value)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            self.fail(call, shown(answer), "insert_prefix returns (length already cached, MatchResult)")
+        already = self.integer(call, answer[0], 0, end, "the length already cached")
+        self.held[value[already:end].to(self.held.device)] = True
+        indices = self.match(call, key, answer[1])
+        if len(indices) != end or not torch.equal(indices[already:], value[already:end].to(indices.device)):
+            self.fail(call, f"a match of {shown(indices)}", f"after insert the whole key matches ({end} tokens), in "
+                      "the tree's slots for what it had and the given ones for the rest")
+        return answer
+
+    def evicted(self, slots) -> None:
+        """The tree's `evict_callback`: slots it holds, each once, go back to the pool."""
+        slots = self.slots("evict (its evict_callback)", slots, None, self.pool.num_slots, "a node's slots")
+        if not self.held[slots].all():
+            self.fail("evict (its evict_callback)", shown(slots), "evict hands over only slots the tree holds")
+        self.pool.free(slots)
+        self.held[slots] = False
+        self.handed += len(slots)
+
+    def evict(self, num_tokens: int) -> int:
+        self.handed = 0
+        freed = self.part.evict(num_tokens)
+        if freed != self.handed:
+            self.fail(f"evict({num_tokens})", shown(freed), f"evict returns the tokens it handed to evict_callback "
+                                                             f"({self.handed})")
+        return freed
+
+
+class BlockManagerGuard(Guard):
+    """A learner's block manager as `BlockKV` calls it. Ownership: `tables`, each live sequence's
+    table; a table has one distinct block in range per logical block, and its new blocks (after
+    the cached head) are in no other live table."""
+
+    name = "block_manager"
+
+    def __init__(self, part_cls, pool: KVPool):
+        self.block_size, self.count = pool.page_size, pool.num_slots // pool.page_size
+        super().__init__(part_cls(self.count, self.block_size, enable_prefix_caching=True, allocator=pool.allocator))
+        self.tables: dict[int, list[int]] = {}
+
+    def table(self, call: str, seq, keep: int) -> None:
+        """Record `seq`'s table after `call`: right length, distinct ids in range, `keep` blocks as
+        they were, the others in no other live table."""
+        table, before = seq.block_table, self.tables.get(seq.seq_id, [])
+        need = -(-len(seq.token_ids) // self.block_size)
+        if not (isinstance(table, list) and len(table) == need and all(isinstance(b, int) for b in table)):
+            self.fail(call, f"block_table {shown(table)}", f"a table holds one block id per {self.block_size} "
+                                                           f"tokens ({need} here)")
+        self.slots(call, torch.tensor(table, dtype=torch.int64), need, self.count, "a table's blocks")
+        if table[:len(before)] != before:
+            self.fail(call, f"block_table {shown(table)}", f"may_append keeps the blocks a table had: {shown(before)}")
+        others = {b for sid, t in self.tables.items() if sid != seq.seq_id for b in t}
+        shared = [b for b in table[keep:] if b in others]
+        if shared:
+            self.fail(call, f"block_table {shown(table)}", f"a new block belongs to its sequence alone: block "
+                                                           f"{shared[0]} is in another live table")
+        self.tables[seq.seq_id] = list(table)
+
+    def allocate(self, seq) -> None:
+        call = f"allocate(a sequence of {len(seq.token_ids)} tokens)"
+        self.part.allocate(seq)
+        cached = self.integer(call, seq.num_cached_tokens, 0, len(seq.token_ids) - 1, "num_cached_tokens (never "
+                                                                                        "the last token)")
+        if cached % self.block_size:
+            self.fail(call, f"num_cached_tokens {cached}", f"the cached head is whole blocks of {self.block_size}")
+        self.table(call, seq, cached // self.block_size)
+
+    def may_append(self, seq) -> None:
+        self.part.may_append(seq)
+        self.table(f"may_append(a sequence of {len(seq.token_ids)} tokens)", seq, len(self.tables[seq.seq_id]))
+
+    def deallocate(self, seq) -> None:
+        self.part.deallocate(seq)
+        if seq.block_table:
+            self.fail("deallocate", f"block_table {shown(seq.block_table)}", "deallocate empties the sequence's table")
+        self.tables.pop(seq.seq_id)
+
+
+class GuardedRadixKV(RadixKV):
+    """`RadixKV` over a learner's tree class, behind a `RadixGuard`."""
+
+    def __init__(self, radix_cache, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
+        super().__init__(pool, max_requests)
+        self.tree = RadixGuard(radix_cache, pool)
+
+    @property
+    def cache(self):
+        return self.tree.part
+
+    def foreign_parts(self) -> list[tuple[str, object]]:
+        return super().foreign_parts() + [("radix_cache", self.tree.part)]
+
+
+class GuardedBlockKV(BlockKV):
+    """`BlockKV` over a learner's block manager class, behind a `BlockManagerGuard`."""
+
+    def __init__(self, block_manager, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
+        super().__init__(pool, max_requests)
+        self.manager = BlockManagerGuard(block_manager, pool)
+
+    @property
+    def cache(self):
+        return self.manager.part
+
+    def foreign_parts(self) -> list[tuple[str, object]]:
+        return super().foreign_parts() + [("block_manager", self.manager.part)]
+
+
+def checked(name: str, part):
+    """`part` when it has every member its contract lists (`missing_members`), else TypeError naming
+    them; a function ("attention") is only called, so being callable (and no class) is its contract here."""
+    if name == "attention" and isinstance(part, type):
+        raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
+                        f"{part.__qualname__}.")
+    contract = SUITES[name].contract
+    missing = missing_members(contract, part)
+    if missing:
+        raise TypeError(f"parts[{name!r}] ({part.__qualname__}) lacks {', '.join(missing)}: the {name} contract "
+                        f"(kvlearn.parts.{contract.__name__}) lists them; write each one (help(kvlearn.parts."
+                        f"{contract.__name__})), then check the part with kvlearn.parts.check({name!r}, "
+                        f"{part.__qualname__}).")
+    return part
+
+
+GUARDS = {
+    "allocator": lambda part: partial(AllocatorGuard, checked("allocator", part)),
+    "attention": lambda part: guard_attention(checked("attention", part)),
+    "radix_cache": lambda part: partial(GuardedRadixKV, checked("radix_cache", part)),
+    "block_manager": lambda part: partial(GuardedBlockKV, checked("block_manager", part)),
+    "scheduler": lambda part: checked("scheduler", part),
+}

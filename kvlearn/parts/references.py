@@ -162,10 +162,10 @@ class BlockReference:
         self.cached: dict[int, int] = {}     # cached block nobody uses -> when it was freed; reuse order
         self.held: dict[int, tuple] = {}     # published block -> the token prefix its KV completes
         self.hashed: dict[int, tuple] = {}   # published blocks and their copies -> the prefix each completes
-        self.freed_copies: set[int] = set()  # free pages a deallocate gave back as unpublished copies
         self.tables: dict[int, list[int]] = {}  # seq_id -> block table of a live sequence
         self.clock = 0
         self.evicted_blocks = 0
+        self.collided = False
         self.counters = (0, 0, 0, 0)         # allocate's stats: queries, query_tokens, hit_blocks, hit_tokens
 
     # --- queries ---------------------------------------------------------------------------------
@@ -185,19 +185,17 @@ class BlockReference:
             h = self.hash_fn(h, list(prefix[j:j + self.bs]))
         return h
 
-    def hit(self, tokens: list[int], guard: bool = True, last_copy: bool = False) -> list[int]:
-        """Blocks of the longest published prefix of `tokens`, never its last token. What a wrong
-        part finds, for hints: without the collision guard when not `guard` (a published key is a
-        hit whatever its block's tokens); with `last_copy`, as if each key's last hashed copy were
-        the published one."""
+    def hit(self, tokens: list[int]) -> list[int]:
+        """Blocks of the longest published prefix of `tokens`, never its last token; a published key
+        whose block holds other tokens (a collision: `collided` says the walk ended at one) is a miss."""
         if not self.caching:
             return []
-        published = self.hashed if last_copy else self.held
-        findable = {self.key(prefix): b for b, prefix in published.items()}   # a later copy overrides
-        hit = []
+        findable = {self.key(prefix): b for b, prefix in self.held.items()}
+        hit, self.collided = [], False
         for j in range((len(tokens) - 1) // self.bs):
             b = findable.get(self.key(tokens[:(j + 1) * self.bs]))
-            if b is None or (guard and published[b][-self.bs:] != tuple(tokens[j * self.bs:(j + 1) * self.bs])):
+            self.collided = b is not None and self.held[b][-self.bs:] != tuple(tokens[j * self.bs:(j + 1) * self.bs])
+            if b is None or self.collided:
                 break
             hit.append(b)
         return hit
@@ -206,9 +204,10 @@ class BlockReference:
         refs = self.refs()
         return -(-num_tokens // self.bs) - sum(refs[b] > 0 for b in hit)
 
-    def has_copy(self, b: int) -> bool:
-        """Whether another hashed block is published under the same key as block `b`."""
-        return b in self.hashed and sum(self.same_key(b, other) for other in self.hashed) > 1
+    def copied(self, tokens: list[int]) -> bool:
+        """Whether a block-aligned prefix of `tokens` is published under a key that a copy also holds."""
+        keys = [self.key(prefix) for prefix in self.hashed.values()]
+        return any(keys.count(self.key(tokens[:j])) > 1 for j in range(self.bs, len(tokens), self.bs))
 
     def same_key(self, a: int, b: int) -> bool:
         """Whether hashed blocks `a` and `b` are published under one key (one is a copy of the other)."""
@@ -235,7 +234,6 @@ class BlockReference:
         for b in new:
             if b in self.free:
                 self.free.remove(b)
-                self.freed_copies.discard(b)
             else:
                 del self.cached[b]
                 self.forget(b)
@@ -289,7 +287,6 @@ class BlockReference:
         self.clock += 1
         last_user = [b for b in table if not refs[b]]
         released = [b for b in last_user if b not in self.held]
-        self.freed_copies |= {b for b in released if b in self.hashed}
         for b in reversed(last_user):
             if b in self.held:
                 self.cached[b] = self.clock
@@ -308,22 +305,20 @@ class BlockReference:
 
 
 def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int], contexts: list[list[int]],
-                        scale: float, *, causal: bool = True, grouped: bool = True):
+                        scale: float):
     """Paged attention one query at a time, in float64. `k_rows[slot]`, `v_rows[slot]`: one layer's
     [kv_heads, head_dim] K and V at that slot (the new tokens' already written); `contexts[b]`: the
     slots of sequence b's whole context, its new tokens the last `query_lens[b]`. New token t of
     sequence b sits at position len(contexts[b]) - query_lens[b] + t and sees positions 0 .. that
-    one (all of them when not `causal`); query head h reads KV head h // (heads // kv_heads) (when
-    not `grouped`: h % kv_heads, the wrong mapping). Returns [T, heads, head_dim] in packed order."""
+    one; query head h reads KV head h // (heads // kv_heads). Returns [T, heads, head_dim] in packed order."""
     heads = query.shape[1]
     out, t = [], 0
     for q_len, context in zip(query_lens, contexts):
         for i in range(q_len):
-            seen = context[:len(context) - q_len + i + 1] if causal else context
+            seen = context[:len(context) - q_len + i + 1]
             k = torch.stack([k_rows[s] for s in seen]).double()        # [keys, kv_heads, head_dim]
             v = torch.stack([v_rows[s] for s in seen]).double()
-            kv_heads = k.shape[1]
-            kv_of = [h // (heads // kv_heads) if grouped else h % kv_heads for h in range(heads)]
+            kv_of = [h // (heads // k.shape[1]) for h in range(heads)]
             k, v = k[:, kv_of], v[:, kv_of]                              # [keys, heads, head_dim]
             weights = torch.softmax(torch.einsum("hd,khd->hk", query[t].double(), k) * scale, dim=-1)
             out.append(torch.einsum("hk,khd->hd", weights, v))

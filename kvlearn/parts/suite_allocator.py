@@ -16,13 +16,11 @@ import random
 
 import torch
 
-from kvlearn.allocator import PageAllocator
 from kvlearn.errors import KVCapacityError
 from kvlearn.parts.allocator import AllocatorPart
-from kvlearn.parts.trace import Broken, Trace, ints, number, same
+from kvlearn.parts.judge import Broken, Trace, ints, number, same
 
 CONTRACT = AllocatorPart
-PACKAGE_PART = PageAllocator
 
 HINTS = {
     "alloc": "alloc(n) hands out the first n pages of free_pages, in that order, and they stop being free "

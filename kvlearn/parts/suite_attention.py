@@ -7,8 +7,7 @@ slot drawn at random from the pool) and, like a forward of the model, one call p
 random query, key and value. After each call the pool must hold what the reference pool holds (the
 step's K and V written slot by slot, nothing else changed) and the output must be the reference's
 (`kvlearn.parts.references.attention_reference`), both within `RTOL` and `ATOL` (`torch.allclose`).
-When the output is wrong, the known wrong turns (no causal mask, KV heads mapped the wrong way, the
-scale ignored, reading before writing) are computed too, and a match names it in the hint.
+When the output is wrong, the hint names the rule it breaks (`_diagnose`).
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ import random
 
 import torch
 
-from kvlearn.attention import AttentionMetadata, paged_attention
+from kvlearn.attention import AttentionMetadata
 from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.references import attention_reference
-from kvlearn.parts.trace import Broken, Trace
+from kvlearn.parts.judge import Broken, Trace
 from kvlearn.pool import KVPool
 
 CONTRACT = AttentionPart
-PACKAGE_PART = paged_attention
 
 RTOL, ATOL = 1e-4, 1e-5   # float32 attention against the float64 reference
 
@@ -168,17 +166,27 @@ def check_output(out, query, rows: torch.Tensor, before: torch.Tensor, query_len
 
 
 def _diagnose(got, query, rows, before, query_lens, contexts, scale) -> str:
-    """The hint of the first known wrong turn whose attention is what the part returned."""
-    dim = query.shape[-1]
-    turns = [("causal", dict(causal=False)), ("gqa", dict(grouped=False)),
-             ("scale", dict(scale=dim ** -0.5)), ("scale", dict(scale=1.0)), ("scale", dict(scale=1 / scale)),
-             ("order", dict(rows=before))]
-    for hint, change in turns:
-        k_rows, v_rows = change.pop("rows", rows)
-        args = dict(scale=scale) | change
-        wrong = attention_reference(query, k_rows, v_rows, query_lens, contexts, args.pop("scale"), **args)
-        if torch.allclose(got, wrong, rtol=RTOL, atol=ATOL, equal_nan=True):
+    """The hint of the rule the output breaks, from the reference on other inputs: another scale,
+    the pool before the write (read before write), query heads mapped h % kv_heads (permuted so that
+    the reference's h // group reads that KV head); or from where it is wrong: right for each
+    sequence's last new token (which sees its whole context) and wrong before it, the causal mask."""
+    def matches(q=query, kv=rows, s=scale) -> bool:
+        expected = attention_reference(q, kv[0], kv[1], query_lens, contexts, s)
+        return torch.allclose(got, expected[:, order] if q is not query else expected, rtol=RTOL, atol=ATOL,
+                              equal_nan=True)
+
+    heads, kv_heads = query.shape[1], rows.shape[2]
+    order = [(h % kv_heads) * (heads // kv_heads) + h // kv_heads for h in range(heads)]
+    permuted = torch.empty_like(query)
+    permuted[:, order] = query
+    for hint, change in (("scale", dict(s=query.shape[-1] ** -0.5)), ("scale", dict(s=1.0)),
+                         ("scale", dict(s=1 / scale)), ("order", dict(kv=before)), ("gqa", dict(q=permuted))):
+        if matches(**change):
             return HINTS[hint]
+    expected = attention_reference(query, rows[0], rows[1], query_lens, contexts, scale)
+    last = [sum(query_lens[:b + 1]) - 1 for b in range(len(query_lens))]
+    if torch.allclose(got[last], expected[last], rtol=RTOL, atol=ATOL):
+        return HINTS["causal"]
     return HINTS["output"]
 
 

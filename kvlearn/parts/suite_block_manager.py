@@ -22,15 +22,13 @@ import random
 from operator import attrgetter
 
 from kvlearn.allocator import PageAllocator
-from kvlearn.blocks import BlockManager
 from kvlearn.errors import KVCapacityError
 from kvlearn.parts.block_manager import BlockManagerPart
 from kvlearn.parts.references import BlockReference
-from kvlearn.parts.trace import Broken, Trace, ints, number, same
+from kvlearn.parts.judge import Broken, Trace, ints, number, same
 from kvlearn.sequence import Sequence
 
 CONTRACT = BlockManagerPart
-PACKAGE_PART = BlockManager
 
 HINTS = {
     "collision": "a hit needs the block's own tokens to equal the sequence's block: equal hashes with other "
@@ -167,10 +165,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             if caching:
                 got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
                 trace.answer(str(got))
-                rule = "hit"
-                if got != len(hit) * bs:   # a lookup without the guard, or one that finds a hash's last copy?
-                    wrong = {"collision": ref.hit(tokens, guard=False), "duplicate": ref.hit(tokens, last_copy=True)}
-                    rule = next((k for k, found in wrong.items() if got == len(found) * bs), rule)
+                rule = "collision" if ref.collided and got > len(hit) * bs else "duplicate" if ref.copied(tokens) else "hit"
                 same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints[rule])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
@@ -279,8 +274,7 @@ def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[lis
     same("m.num_free_blocks", ref.num_free, number("num_free_blocks", ask("num_free_blocks")), hints["free"])
     pages = allocator.free_pages
     what = "the allocator's free pages (the part must take new blocks from the allocator it was given)"
-    same(f"{what}, sorted", sorted(ref.free), sorted(pages),
-         free_rule(ref, blocks, set(pages), hints) if caching else hints["free"])
+    same(f"{what}, sorted", sorted(ref.free), sorted(pages), hints["free"])
     same(f"{what}, in the order they are handed out", ref.free, pages, hints["order"])
     if caching:
         same("m.num_cached_free_blocks", len(ref.cached),
@@ -298,15 +292,3 @@ def check_state(m, ref: BlockReference, allocator: PageAllocator, live: list[lis
              (stats.queries, stats.query_tokens, stats.hit_blocks, stats.hit_tokens), hints["stats"])
         same("m.stats.evicted_blocks", ref.evicted_blocks, stats.evicted_blocks, hints["take"])
 
-
-def free_rule(ref: BlockReference, blocks, pages: set, hints: dict) -> str:
-    """The hint for free pages that are not the reference's: the one-copy rule when a copy of a
-    prefix is among the blocks that differ, the publish rule when the part kept a block cached that
-    it hashed before its KV was computed, else the deallocate rule."""
-    kept = [b for b in ref.free if b not in pages]    # the reference gave them back, the part did not
-    lost = [b for b in pages if b not in ref.free]    # the part gave them back, the reference did not
-    if any(b in ref.freed_copies for b in kept) or any(ref.has_copy(b) for b in lost):
-        return hints["duplicate"]
-    if any(getattr(blocks[b], "hash", None) is not None for b in kept):
-        return hints["publish"]
-    return hints["free"]

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import random
 
-from kvlearn.blocks import BlockManager
 from kvlearn.parts import suite_block_manager
 from kvlearn.parts.block_manager import BlockTablePart
-from kvlearn.parts.trace import Trace
+from kvlearn.parts.judge import Trace
 
 CONTRACT = BlockTablePart
-PACKAGE_PART = BlockManager
 
 # The block_manager suite's hints, less what chapter 1 never asks, with its own words where they differ.
 HINTS = {key: hint for key, hint in suite_block_manager.HINTS.items()

@@ -17,12 +17,10 @@ import torch
 
 from kvlearn.parts.radix_cache import RadixCachePart
 from kvlearn.parts.references import RadixReference
-from kvlearn.radix import RadixCache
 from kvlearn.radix_base import RadixCacheBase
-from kvlearn.parts.trace import Broken, Trace, ints, number, same
+from kvlearn.parts.judge import Broken, Trace, ints, number, same
 
 CONTRACT = RadixCachePart
-PACKAGE_PART = RadixCache
 
 HINTS = {
     "match": "match_prefix walks down from the root: at each node, the child keyed by the next token (page); "

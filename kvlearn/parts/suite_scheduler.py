@@ -8,9 +8,9 @@ every request to its end. No model: each request "samples" a token that depends 
 position, sometimes the end-of-sequence token. The part and the reference each get a KV manager of
 their own, built alike; every step, the part's decisions (who is preempted, decodes, computes a
 chunk, is deferred, is admitted with how many tokens, and the batch itself) must be the
-reference's. When they are not, the hint names the first of the chapter's rules the part's step
-broke: the referee's admission is replayed, rule by rule in its order, over the waiting requests it
-looked at (`Referee`), against what the part decided for each. After every step the queues,
+reference's. When they are not, the hint names the rule of the first decision that differs; for
+admissions past the point where the reference stopped, the rule it stopped by (its report says
+which: `StepReport.stopped`). After every step the queues,
 statuses and stats must agree; at the end every request has finished with its tokens, and once
 the cache is evicted every slot and row is free.
 """
@@ -24,10 +24,9 @@ from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
-from kvlearn.parts.trace import Broken, Raised, Trace, describe
+from kvlearn.parts.judge import Broken, Raised, Trace, describe
 
 CONTRACT = SchedulerPart
-PACKAGE_PART = Scheduler
 
 EOS = 4
 JUDGE = "the package's Scheduler on a KV manager of its own"   # what the passing report names
@@ -70,23 +69,9 @@ HINTS = {
     "base": "begin_step() first, form_batch(...) last; add, postprocess, abort and the stats are "
             "SchedulerBase's: leave them to the base.",
 }
-# The step's decisions compared, in the referee's order, and the hint for each (the admissions' by replay).
+# The step's decisions compared, in the referee's order, and the hint for each (admissions: `_admission_hint`).
 DECISIONS = (("preempted", "preempt"), ("decodes", "decode"), ("chunks", "chunk"), ("deferred", None),
              ("prefills", None))
-
-
-class Referee(Scheduler):
-    """The package's Scheduler, noting which waiting requests its admission looked at in the step, in
-    order (`visits`: (rid, its uncached tokens)), so a part's step can be replayed against its rules."""
-
-    def begin_step(self) -> None:
-        super().begin_step()
-        self.visits: list[tuple[int, int]] = []
-
-    def queue_order(self):
-        for req, cached in super().queue_order():
-            self.visits.append((req.rid, len(req.token_ids) - cached))
-            yield req, cached
 
 
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
@@ -113,7 +98,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
 
     options = {"in_batch_threshold": setup["in_batch_threshold"], "chunked_prefill": setup["chunked_prefill"]}
     args = (setup["max_batch_tokens"], setup["schedule"], (EOS,))
-    ref = Referee(kv_manager(), *args, **options)
+    ref = Scheduler(kv_manager(), *args, **options)
     kv = kv_manager()
     rows = "" if setup["max_requests"] == 256 else f", max_requests={setup['max_requests']}"
     trace.note(f"kv = make_kv_manager({setup['cache']!r}, KVPool(1, 1, 1, {setup['num_slots']}, "
@@ -154,7 +139,7 @@ def _prompt(rng: random.Random, prompts: list[list[int]]) -> list[int]:
     return [rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
 
 
-def _step(ref: Referee, part, pairs: list, trace: Trace) -> None:
+def _step(ref: Scheduler, part, pairs: list, trace: Trace) -> None:
     expected_batch = ref.schedule()
     expected = ref.report
     where = f"step {expected.step}"
@@ -173,7 +158,7 @@ def _step(ref: Referee, part, pairs: list, trace: Trace) -> None:
     trace.answer(repr(got))
     for field, hint in DECISIONS:
         if getattr(got, field, None) != getattr(expected, field):
-            hint = hint or _admission_rule(ref, expected, got)
+            hint = hint or _admission_hint(expected, got)
             _same(f"{where}, {field}", getattr(expected, field), getattr(got, field, None), expected, got, HINTS[hint])
     want = [(r.rid, len(ids)) for r, ids in zip(expected_batch.requests, expected_batch.input_ids)]
     have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids)]
@@ -199,38 +184,22 @@ def _step(ref: Referee, part, pairs: list, trace: Trace) -> None:
     _same(f"{where}, stats", ref.stats, part.stats, ref.report, part.report, HINTS["base"])
 
 
-def _admission_rule(ref: Referee, expected, got) -> str:
-    """The first admission rule the part's step broke (a key of HINTS): the referee's rules replayed, in
-    its order, over the waiting requests it looked at, against what the part decided for each."""
+def _admission_hint(expected, got) -> str:
+    """The rule of admissions that differ from the referee's: none in a step that preempted; past
+    the point where the referee stopped, the rule it stopped by (`expected.stopped`); else deferral,
+    the tokens started, or the order."""
     if expected.preempted:
         return "preempted"
     prefills, deferred = getattr(got, "prefills", None), getattr(got, "deferred", None)
     if not (isinstance(deferred, list) and isinstance(prefills, list)
             and all(isinstance(p, tuple) and len(p) == 3 for p in prefills)):
         return "base"   # the report is SchedulerBase's: start() and report.deferred fill it
-    started = [rid for rid, _, _ in prefills]
-    computed = {rid: n for rid, _, n in prefills}
-    admitted = {rid: n for rid, _, n in expected.prefills}
-    running = len(ref.running) - len(admitted)   # before this step's admissions
-    budget = ref.max_batch_tokens - len(expected.decodes) - sum(n for _, _, n in expected.chunks)
-    k = 0   # the admissions matched so far
-    for rid, uncached in ref.visits:
-        if budget <= 0:
-            return "budget"
-        if not ref.chunked_prefill and uncached > budget and (running or k):
-            return "wait"
-        if rid in expected.deferred:
-            if rid not in deferred:
-                return "defer"
-        elif rid not in admitted:
-            return "full"   # the referee's start() found the pool full
-        elif k < len(started) and started[k] == rid:
-            if computed[rid] != admitted[rid]:
-                return "admit"
-            k, budget = k + 1, budget - admitted[rid]
-        else:
-            return "defer" if rid in deferred else "order"
-    return "order"
+    tried = {rid for rid, _, _ in expected.prefills} | set(expected.deferred)
+    if expected.stopped and ({rid for rid, _, _ in prefills} | set(deferred)) - tried:
+        return expected.stopped
+    if deferred != expected.deferred:
+        return "defer"
+    return "admit" if [p[0] for p in prefills] == [p[0] for p in expected.prefills] else "order"
 
 
 def _same(what: str, expected, got, expected_report, got_report, hint: str) -> None:

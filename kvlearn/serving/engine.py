@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from kvlearn.errors import KVCapacityError, check_positive_int
+from kvlearn.errors import KVCapacityError, PartError, check_positive_int
 from kvlearn.fast import FastLlama
 from kvlearn.kernels import attention_function, resolve_attention_backend
 from kvlearn.model import chat_ids, eos_token_ids
@@ -69,9 +69,9 @@ class Engine:
     `generate` while another is inside one gets a RuntimeError. After `close()`, `generate`,
     `add_request`, `step` and `evict_all` raise RuntimeError.
 
-    Parts (`parts={...}`, kvlearn.parts) that are not the package's serve behind guards that check
-    every answer (`kvlearn.serving.part_registry.served`): a wrong one raises `kvlearn.PartError`,
-    the step's requests are aborted, and the engine serves on. `parts={"attention": fn}` serves
+    Parts (`parts={...}`, kvlearn.parts) that are not the package's serve behind thin checks
+    (`kvlearn.serving.part_registry.served`); a part that breaks its contract raises
+    `kvlearn.PartError` and the engine stops (every later call says so). `parts={"attention": fn}` serves
     through the plain path even with `fast=True` (the fast path computes attention its own way).
 
     `stats` covers the steps since the last `reset_stats()` (`generate` resets first unless
@@ -109,6 +109,7 @@ class Engine:
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.closed = False
+        self.stopped: PartError | None = None   # a learner's part broke its contract: the engine serves no more
         self.reset_stats()
 
     @property
@@ -175,6 +176,9 @@ class Engine:
 
     # --- running ----------------------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
+        if self.stopped is not None:
+            raise RuntimeError(f"{call}: this Engine stopped when a part broke its contract ({self.stopped}). Fix "
+                               "the part, then build a new Engine.")
         if self.closed:
             raise RuntimeError(f"{call}: this Engine is closed (close(), or the end of its `with` block); build a "
                                "new Engine to serve again.")
@@ -209,6 +213,9 @@ class Engine:
             # Greedy: the first largest logit of each row, as argmax; max(-1) finds the same index
             # about 3x faster on CPU (16 rows of 49,152: 0.16 ms against 0.5 ms).
             self.scheduler.postprocess(batch, logits.max(-1).indices.tolist())
+        except PartError as error:   # a learner's part broke its contract: nothing more is asked of it
+            self.stopped = error
+            raise
         except BaseException:
             # An error or Ctrl-C anywhere in the step: the running requests leave ("aborted"), giving
             # back their KV, so the engine stays whole; waiting ones hold nothing and stay queued.
@@ -237,7 +244,8 @@ class Engine:
                         self._step()
                         bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
                 except BaseException:  # this call's requests that still wait leave the queue too
-                    self.scheduler.abort(requests)
+                    if self.stopped is None:
+                        self.scheduler.abort(requests)
                     raise
         return [GenerationOutput(r.rid, r.token_ids[:r.num_prompt_tokens], r.output_ids,
                                  self.tokenizer.decode(r.output_ids, skip_special_tokens=True))
@@ -263,9 +271,12 @@ class Engine:
         the cache), then the KV manager writes down what must outlive the engine (`KVManager.flush`:
         with chapter 8's write_back, the device's and host's KV goes to the disk folder, so a restart
         finds it). Idempotent; `with Engine(...) as engine:` calls it on the way out. Afterwards the
-        engine serves nothing more."""
+        engine serves nothing more. An engine a part stopped asks that part nothing more."""
         with self._one_caller():
             s = self.scheduler
+            if self.stopped is not None:
+                self.closed = True
+                return
             try:
                 s.abort(list(s.running) + list(s.waiting))
             finally:

@@ -83,6 +83,7 @@ class StepReport:
     chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rid, start, computed) of a prompt already started
     decodes: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
+    stopped: str = ""         # why admission stopped: "budget", "wait" (too big to chunk), "full" (the pool)
     preempted: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     evicted_tokens: int = 0
@@ -339,13 +340,15 @@ class Scheduler(SchedulerBase):
         for req, cached in self.queue_order():
             too_big = len(req.token_ids) - cached > budget
             if budget <= 0 or (too_big and not self.chunked_prefill and (admitted or self.running)):
+                self.report.stopped = "budget" if budget <= 0 else "wait"
                 break
             if self.shares_in_batch(req, cached):
                 self.report.deferred.append(req.rid)  # its partner's prompt reaches the cache after this step
                 continue
             now = self.start(req, budget)
-            if now is None:
-                break  # the pool is full; running requests free slots as they finish
+            if now is None:  # the pool is full; running requests free slots as they finish
+                self.report.stopped = "full"
+                break
             admitted.append((req, now))
             budget -= now
         return admitted

@@ -12,7 +12,7 @@ import random
 import torch
 
 from kvlearn.parts.conformance import SUITES
-from kvlearn.parts.trace import Trace
+from kvlearn.parts.judge import Trace
 
 
 class Recorder(Trace):
