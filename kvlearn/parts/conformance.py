@@ -34,35 +34,23 @@ MAX_SHRINK_RUNS = 400
 @dataclass(frozen=True)
 class Suite:
     """The facts of one part: its record (name, chapters, the package's part: kvlearn.serving.part_registry)
-    and its suite module `kvlearn.parts.suite_NAME`, which names the contract (`CONTRACT`, the
-    Protocol of the members the engine and the pictures use), the hints (`HINTS`, rule -> hint),
-    `generate(rng) -> (setup, ops)`, `run(impl, setup, ops, trace)` and what judges each call (`JUDGE`)."""
+    and its suite module `kvlearn.parts.suite_NAME`: the contract (`CONTRACT`, the Protocol of the
+    members the engine and pictures use), the hints (`HINTS`, rule -> hint in the chapter's words),
+    `generate(rng) -> (setup, ops)`, `run(impl, setup, ops, trace)`, and what judges each call (`JUDGE`)."""
 
     record: PartRecord
     module: ModuleType
-
-    @classmethod
-    def of(cls, record: PartRecord) -> Suite:
-        return cls(record, import_module(f"kvlearn.parts.suite_{record.name}"))
-
-    @property
-    def contract(self) -> type:
-        return self.module.CONTRACT
 
     @property
     def package(self):
         return self.record.package
 
     @property
-    def hints(self) -> dict[str, str]:
-        return self.module.HINTS
-
-    @property
-    def judge(self) -> str:
-        return getattr(self.module, "JUDGE", "a brute-force reference")
+    def contract(self) -> type:
+        return self.module.CONTRACT
 
 
-SUITES = {record.name: Suite.of(record) for record in REGISTRY}   # in the registry's order
+SUITES = {r.name: Suite(r, import_module(f"kvlearn.parts.suite_{r.name}")) for r in REGISTRY}   # in the registry's order
 
 
 @dataclass(frozen=True)
@@ -138,7 +126,7 @@ def check(name: str, impl, time_limit_s: float = 2.0, programs: int = 300, seed:
             return CheckReport(name, label, False, _failure(head, suite, i, programs, outcome, time_limit_s),
                                i + 1, calls, seconds)
     return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.record.taught}): {programs} "
-                       f"random programs, {calls} calls, each judged by {suite.judge}; its calls took "
+                       f"random programs, {calls} calls, each judged by {getattr(suite.module, 'JUDGE', 'a brute-force reference')}; its calls took "
                        f"{_seconds(seconds)} in all.", programs, calls, seconds)
 
 
@@ -193,7 +181,7 @@ def _failure(head: str, suite: Suite, index: int, programs: int, outcome: tuple,
     last = trace.lines[-1] if trace.lines else "building the part"
     calls = "\n".join("    " + line for line in trace.lines)
     contract = f"kvlearn.parts.{suite.contract.__name__}"
-    hint = suite.hints.get(trace.method, f"read what the contract says of this call: help({contract}).")
+    hint = suite.module.HINTS.get(trace.method, f"read what the contract says of this call: help({contract}).")
     if kind == "broken":
         what, hint = f"{detail.what}.", detail.hint
     elif kind == "stub":

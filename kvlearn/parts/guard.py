@@ -249,34 +249,33 @@ class BlockManagerGuard(Guard):
         self.tables.pop(seq.seq_id)
 
 
-class GuardedRadixKV(RadixKV):
+class Guarded:
+    """What the guarded cache modes share: their cache is a learner's part behind `guard`."""
+
+    guard: Guard
+
+    @property
+    def cache(self):
+        return self.guard.part
+
+    def foreign_parts(self) -> list[tuple[str, object]]:
+        return super().foreign_parts() + [(self.guard.name, self.guard.part)]
+
+
+class GuardedRadixKV(Guarded, RadixKV):
     """`RadixKV` over a learner's tree class, behind a `RadixGuard`."""
 
     def __init__(self, radix_cache, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
-        self.tree = RadixGuard(radix_cache, pool)
-
-    @property
-    def cache(self):
-        return self.tree.part
-
-    def foreign_parts(self) -> list[tuple[str, object]]:
-        return super().foreign_parts() + [("radix_cache", self.tree.part)]
+        self.tree = self.guard = RadixGuard(radix_cache, pool)
 
 
-class GuardedBlockKV(BlockKV):
+class GuardedBlockKV(Guarded, BlockKV):
     """`BlockKV` over a learner's block manager class, behind a `BlockManagerGuard`."""
 
     def __init__(self, block_manager, pool: KVPool, max_requests: int = DEFAULT_MAX_REQUESTS):
         super().__init__(pool, max_requests)
-        self.manager = BlockManagerGuard(block_manager, pool)
-
-    @property
-    def cache(self):
-        return self.manager.part
-
-    def foreign_parts(self) -> list[tuple[str, object]]:
-        return super().foreign_parts() + [("block_manager", self.manager.part)]
+        self.manager = self.guard = BlockManagerGuard(block_manager, pool)
 
 
 def checked(name: str, part):
