@@ -47,8 +47,9 @@ LANGUAGE_INTERPRETED = isinstance(tl.max, InterpretedFunction)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 # What each letter of a shape pattern counts; one letter has one size across a launcher's tensors.
-SIZES = {"T": "tokens", "B": "sequences", "H": "query heads", "K": "KV heads", "D": "head_dim",
-         "S": "slots", "W": "table entries per sequence", "C": "sequences + 1 (cumulative new-token counts)"}
+SIZES = {"T": "number of tokens", "B": "number of sequences", "H": "number of query heads",
+         "K": "number of KV heads", "D": "head_dim", "S": "number of slots", "W": "table entries per sequence",
+         "C": "number of sequences + 1 (cumulative new-token counts)"}
 
 _ranges_on_cuda = False
 
@@ -175,10 +176,9 @@ def _check_attention(query, pattern, k_cache, v_cache, table, kv_lens, page_size
                          "prefix plus its new tokens, and widen the table if that needs more.")
     read = torch.arange(table.shape[1], device=table.device)[None, :] * page_size < kv_lens[:, None]
     if (at := _first(read & ((table < 0) | (table >= pages)))) is not None:
-        unit = "slots" if page_size == 1 else f"pages of {page_size} slots"
-        raise ValueError(f"table[{at[0]}, {at[1]}] is {int(table[at])}, outside the pool: k_cache's {k_cache.shape[0]} "
-                         f"slots make {pages} {unit}, so the entries that kv_lens reads must be 0 to {pages - 1}: "
-                         "fill the table with what the pool allocated.")
+        pool = f"{pages} slots" if page_size == 1 else f"{pages} pages of {page_size} slots"
+        raise ValueError(f"table[{at[0]}, {at[1]}] is {int(table[at])}, outside k_cache's {pool}: fill the entries that "
+                         f"kv_lens reads with ids from 0 to {pages - 1}, as the pool allocated them.")
 
 
 def _check_tensors(floats: dict, indices: dict) -> None:
@@ -203,8 +203,8 @@ def _check_tensors(floats: dict, indices: dict) -> None:
         for letter, n in zip(pattern, t.shape):
             first, size = sizes.setdefault(letter, (name, n))
             if size != n:
-                raise ValueError(f"{name} has {SIZES[letter]} = {n} (shape {tuple(t.shape)}), but {first} has "
-                                 f"{SIZES[letter]} = {size}: give them the same {SIZES[letter]}.")
+                raise ValueError(f"{name}'s {SIZES[letter]} is {n} (shape {tuple(t.shape)}), but {first}'s is {size}: "
+                                 "give both the same.")
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
                              f"{tuple(t.stride())}: pass {name}.contiguous().")
