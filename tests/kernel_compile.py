@@ -20,13 +20,12 @@ INDEX_POINTERS = {"table", "kv_lens", "cu_q", "slot_mapping"}
 FLOAT32_POINTERS = {"part_out", "part_lse"}
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}
 GROUP, KV_HEADS = 3, 3   # SmolLM2: 9 query heads over 3 KV heads
-ALL = ("store", "decode", "reduce", "extend")
-# (head_dim, cache dtype, index dtype, kernels): SmolLM2's; head_dim 80 (tiles padded to 128) with an
-# int32 table; 96 with a bfloat16 cache (products on the tensor cores); 8 (padded to 16, tl.dot's
-# smallest). Each compile takes a second or two: the attention kernels for every variant, the
-# others where their tiles change.
-VARIANTS = [(64, torch.float32, torch.int64, ALL), (80, torch.float32, torch.int32, ALL),
-            (96, torch.bfloat16, torch.int64, ("decode", "extend")), (8, torch.float32, torch.int64, ("decode", "extend"))]
+# (head_dim, cache dtype, index dtype, the decode kernel's page sizes, whether store and stage 2 too):
+# SmolLM2's; head_dim 80 (tiles padded to 128) with an int32 table; 96 with a bfloat16 cache
+# (products on the tensor cores); 8 (padded to 16, tl.dot's smallest). A compile takes a second or
+# two: the attention kernels for every variant, the others where their tiles change.
+VARIANTS = [(64, torch.float32, torch.int64, (1, 16), True), (80, torch.float32, torch.int32, (1,), True),
+            (96, torch.bfloat16, torch.int64, (1,), False), (8, torch.float32, torch.int64, (1,), False)]
 
 
 def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype) -> str:
@@ -45,20 +44,19 @@ def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype) ->
 def cases():
     """(kernel, variant, cache dtype, index dtype, constexprs, launch options), as the launchers
     specialize them for SmolLM2's steps and for each variant."""
-    for head_dim, floats, index, kernels in VARIANTS:
+    for head_dim, floats, index, pages, all_kernels in VARIANTS:
         variant = f"hd{head_dim},{TRITON_TYPES[floats]},{TRITON_TYPES[index]}"
         row = KV_HEADS * head_dim
         attention = dict(GROUP=GROUP, HEAD_DIM=head_dim, DOT_DTYPE=dot_dtype(floats), BLOCK_D=tile(head_dim),
                          BLOCK_N=decode.BLOCK_N)
-        if "store" in kernels:
+        if all_kernels:
             yield (store.store_kernel, variant, floats, index, dict(HEAD_DIM=head_dim, ROW=row,
                    ROW_P2=triton.next_power_of_2(row), BLOCK_T=store.BLOCK_T), store.LAUNCH)
-        for page_size in (1, 16) if head_dim == 64 else (1,):
-            yield (decode.decode_kernel, f"{variant},page{page_size}", floats, index,
-                   dict(attention, PAGE_SIZE=page_size, BLOCK_H=tile(GROUP)), decode.STAGE1_LAUNCH)
-        if "reduce" in kernels:
             yield (decode.decode_reduce_kernel, variant, floats, index, dict(HEAD_DIM=head_dim,
                    BLOCK_D=tile(head_dim), BLOCK_S=decode.MAX_SPLITS), decode.STAGE2_LAUNCH)
+        for page_size in pages:
+            yield (decode.decode_kernel, f"{variant},page{page_size}", floats, index,
+                   dict(attention, PAGE_SIZE=page_size, BLOCK_H=tile(GROUP)), decode.STAGE1_LAUNCH)
         yield (extend.extend_kernel, variant, floats, index, dict(attention, PAGE_SIZE=1, BLOCK_M=extend.BLOCK_M),
                extend.LAUNCH)
 

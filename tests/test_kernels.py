@@ -178,7 +178,8 @@ def test_a_bfloat16_cache_gives_chapter_5s_attention_to_bfloat16_precision():
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
     last = query[cu_q[1:] - 1]
     out = paged_decode_attention(last, pool.k[0], pool.v[0], table, md.kv_lens, 0.125, num_splits=2)
-    reference = attend(last.float(), pool.k[0].float(), pool.v[0].float(), AttentionMetadata.build([1, 1], slots), 0.125)
+    decode_md = AttentionMetadata.build([1, 1], slots)
+    reference = attend(last.float(), pool.k[0].float(), pool.v[0].float(), decode_md, 0.125)
     torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
 
 

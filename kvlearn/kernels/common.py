@@ -177,8 +177,8 @@ def _check_attention(query, pattern, k_cache, v_cache, table, kv_lens, page_size
     read = torch.arange(table.shape[1], device=table.device)[None, :] * page_size < kv_lens[:, None]
     if (at := _first(read & ((table < 0) | (table >= pages)))) is not None:
         pool = f"{pages} slots" if page_size == 1 else f"{pages} pages of {page_size} slots"
-        raise ValueError(f"table[{at[0]}, {at[1]}] is {int(table[at])}, outside k_cache's {pool}: fill the entries that "
-                         f"kv_lens reads with ids from 0 to {pages - 1}, as the pool allocated them.")
+        raise ValueError(f"table[{at[0]}, {at[1]}] is {int(table[at])}, outside k_cache's {pool}: fill the entries "
+                         f"that kv_lens reads with ids from 0 to {pages - 1}, as the pool allocated them.")
 
 
 def _check_tensors(floats: dict, indices: dict) -> None:

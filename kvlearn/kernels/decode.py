@@ -46,9 +46,10 @@ STAGE1_LAUNCH = dict(num_warps=4, num_stages=2)
 STAGE2_LAUNCH = dict(num_warps=1, num_stages=1)
 
 
-# num_splits changes as contexts grow: a run-time argument, not specialized (Triton would compile
-# num_splits == 1 apart), so one compiled kernel serves every count.
-@triton.jit(do_not_specialize=["num_splits"])
+# num_splits changes as contexts grow, and the table's row stride (its width) from step to step:
+# run-time arguments, not specialized (Triton would compile a value of 1, or a multiple of 16, apart),
+# so one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["num_splits", "stride_tb"])
 def decode_kernel(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, scale, num_splits,
                   stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_ph, stride_ps,
                   stride_lb, stride_lh,
@@ -83,8 +84,8 @@ def decode_kernel(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, s
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache + at, mask=kv_ok, other=0.0).to(DOT_DTYPE)             # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache + at, mask=kv_ok, other=0.0).to(DOT_DTYPE)
-        # Scores in float32 (ieee: exact products for a float32 cache, where a GPU would round them
-        # to tf32; a 16-bit cache's products are exact on the tensor cores anyway).
+        # Scores: products in DOT_DTYPE, sums in float32 (ieee keeps a float32 cache's products exact,
+        # where a GPU would round them to tf32; a 16-bit cache's are exact on the tensor cores anyway).
         score = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # [BLOCK_H, BLOCK_N]
         # A position past the split's end gets no weight: exp(-inf) = 0.
         score = tl.where(ok[None, :], score, float("-inf"))
@@ -93,7 +94,7 @@ def decode_kernel(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, s
         alpha = tl.exp(m - m_new)
         p = tl.exp(score - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")  # p cast for the dot
         m = m_new
 
     # An empty split (a context shorter than num_splits) leaves l == 0 and acc == 0: its output is
@@ -141,8 +142,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     batch, heads, head_dim = query.shape
     kv_heads = k_cache.shape[1]
     splits = num_splits_for(table.shape[1] * page_size) if num_splits is None else num_splits
-    part_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=query.device)
+    # Room for MAX_SPLITS whatever the count, as SGLang's buffers: the strides and stage 2's tile stay
+    # the same from step to step, so neither kernel compiles again.
+    room = max(splits, MAX_SPLITS)
+    part_out = torch.empty(batch, heads, room, head_dim, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(batch, heads, room, dtype=torch.float32, device=query.device)
     kernel[(batch, kv_heads, splits)](
         query, k_cache, v_cache, table, kv_lens, part_out, part_lse, scale, splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
@@ -150,10 +154,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype(k_cache.dtype),
         BLOCK_H=tile(heads // kv_heads), BLOCK_D=tile(head_dim), BLOCK_N=BLOCK_N, **STAGE1_LAUNCH)
     out = torch.empty(batch, heads, head_dim, dtype=query.dtype, device=query.device)
-    # BLOCK_S is the same for every split count up to MAX_SPLITS: stage 2 compiles once per run.
     decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, out, splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=tile(head_dim), BLOCK_S=triton.next_power_of_2(max(splits, MAX_SPLITS)),
+        HEAD_DIM=head_dim, BLOCK_D=tile(head_dim), BLOCK_S=triton.next_power_of_2(room),
         **STAGE2_LAUNCH)
     return out

@@ -32,7 +32,8 @@ BLOCK_N = 64   # context positions per tile
 LAUNCH = dict(num_warps=4, num_stages=2)
 
 
-@triton.jit
+# The table's row stride (its width) changes from step to step: not specialized, as in decode_kernel.
+@triton.jit(do_not_specialize=["stride_tb"])
 def extend_kernel(query, k_cache, v_cache, table, kv_lens, cu_q, out, scale,
                   stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
