@@ -23,7 +23,7 @@ What the kernels assume, and these checks keep true:
   which `tl.dot` needs on a GPU), and the kernels mask the ones past head_dim;
 - slot -1 in `slot_mapping` is padding: `store_kvcache` writes that token nowhere, as nano-vllm's
   store kernel and vLLM's `reshape_and_cache` do (a batch padded to a fixed size, e.g. for CUDA
-  graphs). Any other negative slot is refused.
+  graphs). Any other negative slot is refused (unchecked, on CUDA, the kernel skips it too).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ does) with a running max and sum, and stops after the last position its tokens c
 SGLang's `extend_attention` reads the cached prefix from the pool and the new tokens' K and V from
 the step's own buffers, in two loops; here both come from the pool, in one loop with one mask.
 A decode is an extend with q_len 1, so a step that mixes prefills and decodes runs this kernel
-for all of them.
+for all of them. Tiles and products as in `paged_decode_attention`: head_dim padded to
+`tile(head_dim)` with a mask, products in the cache's dtype with float32 accumulation.
 """
 
 from __future__ import annotations
