@@ -40,7 +40,7 @@ def contexts(draw, decode: bool):
     page = draw(st.sampled_from([1, 16]))
     group = draw(st.sampled_from([1, 3]))
     kv_heads = draw(st.sampled_from([1, 2, 3]))
-    head_dim = draw(st.sampled_from([16, 64]))
+    head_dim = draw(st.sampled_from([16, 64, 80]))
     ctx = draw(st.lists(st.integers(1, 300), min_size=1, max_size=4))
     q_lens = [1 if decode else draw(st.integers(1, min(c, 40))) for c in ctx]
     pages_of = [-(-c // page) for c in ctx]
@@ -92,7 +92,7 @@ def test_extend_attention_equals_chapter_5(case):
 
 
 @settings(max_examples=EXAMPLES)
-@given(st.integers(1, 40), st.sampled_from([1, 3]), st.sampled_from([16, 64]), st.integers(0, 2**16))
+@given(st.integers(1, 40), st.sampled_from([1, 3]), st.sampled_from([16, 64, 80]), st.integers(0, 2**16))
 def test_store_kvcache_writes_exactly_the_step_slots(num_tokens, kv_heads, head_dim, seed):
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(2, kv_heads, head_dim, 64, device=DEVICE)
