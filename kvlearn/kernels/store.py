@@ -25,7 +25,9 @@ BLOCK_T = 16   # tokens per program
 LAUNCH = dict(num_warps=4, num_stages=1)
 
 
-@triton.jit
+# num_tokens changes from step to step: not specialized (Triton would compile 1, a decode of one
+# sequence, and multiples of 16 apart), so one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["num_tokens"])
 def store_kernel(key, value, k_cache, v_cache, slot_mapping, num_tokens,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
                  HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_P2: tl.constexpr, BLOCK_T: tl.constexpr):
