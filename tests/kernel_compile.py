@@ -1,48 +1,73 @@
 """Compile every kernel of `kvlearn.kernels` for an H200 (CUDA sm_90) on a machine without a GPU:
 Triton's compiler and the ptxas it ships need no device. Run as `python -m tests.kernel_compile` in
 a process without TRITON_INTERPRET (interpreted kernels are never compiled); prints one line per
-kernel. The interpreter checks what the kernels compute; this checks that a GPU build accepts them."""
+compiled kernel: its name and variant, whether machine code was made, its shared memory in bytes,
+and whether its PTX multiplies on the tensor cores (mma). The interpreter checks what the kernels
+compute; this checks that a GPU build accepts them, with the launchers' warps and stages."""
 
 import warnings
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvlearn.kernels import decode, extend, store
+from kvlearn.kernels.common import dot_dtype, tile
 
 H200 = GPUTarget("cuda", 90, 32)
-INT64_POINTERS = {"table", "kv_lens", "cu_q", "slot_mapping"}
+INDEX_POINTERS = {"table", "kv_lens", "cu_q", "slot_mapping"}
+FLOAT32_POINTERS = {"part_out", "part_lse"}
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}
+GROUP, KV_HEADS = 3, 3   # SmolLM2: 9 query heads over 3 KV heads
+# (head_dim, cache dtype, index dtype, the decode kernel's page sizes, whether store and stage 2 too):
+# SmolLM2's; head_dim 80 (tiles padded to 128) with an int32 table; 96 with a bfloat16 cache
+# (products on the tensor cores); 8 (padded to 16, tl.dot's smallest). A compile takes a second or
+# two: the attention kernels for every variant, the others where their tiles change.
+VARIANTS = [(64, torch.float32, torch.int64, (1, 16), True), (80, torch.float32, torch.int32, (1,), True),
+            (96, torch.bfloat16, torch.int64, (1,), False), (8, torch.float32, torch.int64, (1,), False)]
 
 
-def kind(name: str, constexpr: bool) -> str:
+def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype) -> str:
     """Triton's type for one argument, as the launchers pass them."""
     if constexpr:
         return "constexpr"
-    if name in INT64_POINTERS:
-        return "*i64"
-    if name.startswith("stride") or name == "num_tokens":
+    if name in INDEX_POINTERS:
+        return "*" + TRITON_TYPES[index]
+    if name.startswith("stride") or name in ("num_tokens", "num_splits"):
         return "i32"
-    return "fp32" if name == "scale" else "*fp32"
+    if name == "scale":
+        return "fp32"
+    return "*fp32" if name in FLOAT32_POINTERS else "*" + TRITON_TYPES[floats]
 
 
-# The specializations SmolLM2's steps launch: GQA groups of 3, head_dim 64, one split or several.
-CASES = [
-    (store.store_kernel, dict(HEAD_DIM=64, ROW=192, ROW_P2=256, BLOCK_T=store.BLOCK_T)),
-    (decode.decode_kernel, dict(GROUP=3, HEAD_DIM=64, PAGE_SIZE=1, NUM_SPLITS=1, BLOCK_H=16, BLOCK_N=decode.BLOCK_N)),
-    (decode.decode_kernel, dict(GROUP=3, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=3, BLOCK_H=16, BLOCK_N=decode.BLOCK_N)),
-    (decode.decode_reduce_kernel, dict(HEAD_DIM=64, NUM_SPLITS=1, SPLITS_P2=1)),
-    (decode.decode_reduce_kernel, dict(HEAD_DIM=64, NUM_SPLITS=3, SPLITS_P2=4)),
-    (extend.extend_kernel, dict(GROUP=3, HEAD_DIM=64, PAGE_SIZE=1, BLOCK_M=extend.BLOCK_M, BLOCK_N=extend.BLOCK_N)),
-]
+def cases():
+    """(kernel, variant, cache dtype, index dtype, constexprs, launch options), as the launchers
+    specialize them for SmolLM2's steps and for each variant."""
+    for head_dim, floats, index, pages, all_kernels in VARIANTS:
+        variant = f"hd{head_dim},{TRITON_TYPES[floats]},{TRITON_TYPES[index]}"
+        row = KV_HEADS * head_dim
+        attention = dict(GROUP=GROUP, HEAD_DIM=head_dim, DOT_DTYPE=dot_dtype(floats), BLOCK_D=tile(head_dim),
+                         BLOCK_N=decode.BLOCK_N)
+        if all_kernels:
+            yield (store.store_kernel, variant, floats, index, dict(HEAD_DIM=head_dim, ROW=row,
+                   ROW_P2=triton.next_power_of_2(row), BLOCK_T=store.BLOCK_T), store.LAUNCH)
+            yield (decode.decode_reduce_kernel, variant, floats, index, dict(HEAD_DIM=head_dim,
+                   BLOCK_D=tile(head_dim), BLOCK_S=decode.MAX_SPLITS), decode.STAGE2_LAUNCH)
+        for page_size in pages:
+            yield (decode.decode_kernel, f"{variant},page{page_size}", floats, index,
+                   dict(attention, PAGE_SIZE=page_size, BLOCK_H=tile(GROUP)), decode.STAGE1_LAUNCH)
+        yield (extend.extend_kernel, variant, floats, index, dict(attention, PAGE_SIZE=1, BLOCK_M=extend.BLOCK_M),
+               extend.LAUNCH)
 
 
 def main() -> None:
     warnings.simplefilter("ignore")   # Triton 3.9 warns about an unset fp-fusion default
-    for kernel, constexprs in CASES:
-        signature = {p.name: kind(p.name, p.is_constexpr) for p in kernel.params}
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=H200)
-        print(kernel.__name__, "cubin" in compiled.asm, compiled.metadata.shared)
+    for kernel, variant, floats, index, constexprs, options in cases():
+        signature = {p.name: kind(p.name, p.is_constexpr, floats, index) for p in kernel.params}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=H200, options=options)
+        print(f"{kernel.__name__}[{variant}]", "cubin" in compiled.asm, compiled.metadata.shared,
+              "mma" in compiled.asm["ptx"])
 
 
 if __name__ == "__main__":

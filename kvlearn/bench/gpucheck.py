@@ -4,6 +4,9 @@ What it checks, on one bench workload (greedy, the radix cache):
 - the engine with attention_backend "torch" and with "triton" (chapter 5's attention and the
   kernels of `kvlearn.kernels`) gives `model.generate`'s tokens for every prompt on the GPU;
 - both find the same prefix-cache hits as the same engine on the CPU;
+- the kernels' range checks run on CUDA too (`kvlearn.kernels.common.check_ranges(True)`): a slot or
+  a length out of range is an error naming it, not a silent write (the triton row's throughput pays
+  their device sync per launch);
 - what it measures: throughput of the engine's fast path (radix) beside `generate` one prompt at a
   time and Hugging Face continuous batching, and of both plain-path backends.
 It prints a table and writes one JSON file; it exits 1 when a check fails.
@@ -166,6 +169,9 @@ def check(args) -> dict:
         resolve_attention_backend("triton", device)
     except ValueError as exc:
         raise SystemExit(f"gpu-check: {exc} (`make gpu-check-dry` sets TRITON_INTERPRET=1)") from None
+    from kvlearn.kernels.common import check_ranges   # triton imports: resolve_attention_backend said so
+
+    check_ranges(True)
     layers = DRY_LAYERS if args.dry else None
     model, tokenizer, weights = load(args.weights, args.model_dir, device, layers)
     workload, new_tokens = workload_for(tokenizer, args.dry), DRY_NEW_TOKENS if args.dry else NEW_TOKENS

@@ -13,6 +13,11 @@ triton imports, torch otherwise). Triton compiles for GPUs; on a CPU its kernels
 interpreter (`TRITON_INTERPRET=1` in the environment before triton is first imported), which
 executes each program in numpy: exact, and slow, for tests and small examples.
 
+Every launcher refuses what its kernel cannot run (wrong shapes, dtypes, slots or lengths) with a
+message that names the argument, before the kernel could crash or compute garbage: the rules are
+in `kvlearn.kernels.common`. Range checks read the tensors' values, a device sync on CUDA, so
+there they run only after `kvlearn.kernels.common.check_ranges(True)` (gpu-check turns them on).
+
 This module imports no triton itself: `import kvlearn.kernels` works where triton is missing.
 """
 

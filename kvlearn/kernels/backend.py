@@ -18,14 +18,16 @@ from kvlearn.kernels.extend import extend_attention
 from kvlearn.kernels.store import store_kvcache
 
 
-def triton_paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadata, scale=None) -> torch.Tensor:
+def triton_paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadata, scale=None, *,
+                           stage1=None) -> torch.Tensor:
     """Chapter 5's `paged_attention` with Triton kernels: the same arguments, the same result.
-    query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim]."""
+    query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim]. stage1: the
+    decode steps' stage-1 kernel (`paged_decode_attention`'s argument; None: the package's)."""
     k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
     store_kvcache(key, value, k_cache, v_cache, md.slot_mapping)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     max_q_len = md.query_index.shape[1]
     if max_q_len == 1:
-        return paged_decode_attention(query, k_cache, v_cache, md.kv_indices, md.kv_lens, scale)
+        return paged_decode_attention(query, k_cache, v_cache, md.kv_indices, md.kv_lens, scale, stage1=stage1)
     cu_q = F.pad(md.last_token + 1, (1, 0))
     return extend_attention(query, k_cache, v_cache, md.kv_indices, md.kv_lens, cu_q, scale, max_q_len=max_q_len)
