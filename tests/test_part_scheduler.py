@@ -215,3 +215,19 @@ def test_a_scheduler_written_outside_the_package_serves_the_real_model(model, to
         assert ours.stats[key] == theirs.stats[key], key
     ours.evict_all()
     assert ours.pool.num_free == ours.pool.num_slots
+
+
+@pytest.mark.parametrize("chunked, slots, budget, prompts, stopped", [
+    (True, 64, 4, [[1, 2, 3, 4], [2, 3]], "budget"),          # the first prompt spends the budget
+    (False, 64, 6, [[1, 2, 3], [3, 1, 2, 3, 1, 2]], "wait"),  # too big for what is left, without chunks
+    (True, 4, 16, [[1, 2, 3], [2, 3, 1]], "full"),            # the pool holds one prompt
+    (True, 64, 16, [[1, 2]], ""),                              # the queue ran out
+])
+def test_the_scheduler_says_why_its_admission_stopped(chunked, slots, budget, prompts, stopped):
+    """The referee's report names the rule that stopped admission: the hint a wrong part's step gets."""
+    scheduler = Scheduler(make_kv_manager("none", KVPool(1, 1, 1, slots)), budget, "fcfs", (9,),
+                          chunked_prefill=chunked)
+    for rid, prompt in enumerate(prompts):
+        scheduler.add(Request(rid, prompt, 4, 1))
+    scheduler.schedule()
+    assert scheduler.report.stopped == stopped and len(scheduler.report.prefills) == 1

@@ -1,14 +1,12 @@
 """Trust but verify: how a learner's part serves in the engine (`GUARDS`, the table chapter 6's hook
 reads: `kvlearn.serving.part_registry.served`; `kvlearn/__init__` registers it).
 
-A part that passed `check` serves behind thin checks at its boundary: the types, lengths and ranges
-of its answers, and the ownership of the slots it hands out (a page the allocator hands out is not
-held; a match's slots are distinct and the tree's; a new block is in no other live table). After
-every step the engine's own invariants run (`KVManager.check`: slot conservation, one row per
-running request, blocks in use == blocks in live tables). The first violation raises
-`kvlearn.PartError`, naming the part, the call and the rule, and the engine stops (a new Engine
-serves again): a wrong part never serves wrong tokens silently. The package's own parts are
-called as they are. Checks are code, not `assert`: `python -O` keeps them.
+A part serves behind thin checks at its boundary: the types, lengths and ranges of its answers, and
+the ownership of the slots it hands out (a page handed out is not held; a match's slots are distinct
+and the tree's; a new block is in no other live table). After every step the engine's own
+invariants run (`KVManager.check`). The first violation raises `kvlearn.PartError`, naming the
+part, the call and the rule, and the engine stops: a wrong part never serves wrong tokens silently.
+The package's own parts serve as they are. Checks are code, not `assert` (`python -O` keeps them).
 """
 
 from __future__ import annotations
@@ -77,9 +75,8 @@ class Guard:
 
 
 class AllocatorGuard(Guard):
-    """A learner's page allocator, built as the pool builds one (`partial(AllocatorGuard, cls)(num_pages,
-    device=...)`). Ownership: `held[p]` while page p is handed out; `alloc` hands out only pages
-    nobody holds, and the pool's account answers `num_free` and `is_free`."""
+    """A learner's page allocator, built as the pool builds one. Ownership: `held[p]` while page p is
+    handed out; `alloc` hands out only pages nobody holds; `held` answers `num_free` and `is_free`."""
 
     name = "allocator"
 

@@ -1,12 +1,11 @@
-"""The verdict helpers of `check`: the record of one run of a part (`Trace`: its calls so far, as code
-a learner can read), the ways a run ends early (`Broken`: a rule broken, with the rule's hint;
-`Raised`: the part raised where it must not; `TimeUp`: a call ran past its limit), and the
-comparisons the suites make (`same`, `ints`, `number`).
+"""The verdict helpers of `check`: `Trace` (a program's calls of the part, as code a learner can
+read), the ways a run ends early (`Broken`: a rule broken, with its hint; `Raised`; `TimeUp`) and
+the suites' comparisons (`same`, `ints`, `number`).
 
-The time limit is the standard library's: `signal.setitimer` raises `TimeUp` in the part's code
-when one call runs longer than `limit_s` (again every 0.1 s, should the part swallow it once). It
-works in the main thread (a notebook, a script, pytest) on Linux and macOS; elsewhere a call has no
-limit. A real Ctrl-C (KeyboardInterrupt) always goes on up: it stops the check.
+The time limit is the standard library's: `signal.setitimer` raises `TimeUp` in a call of the part
+that runs past `limit_s` (and every 0.1 s after, should the part swallow it). It works in the main
+thread (a notebook, a script, pytest) on Linux and macOS; elsewhere calls have no limit. A real
+Ctrl-C always goes on up: it stops the check.
 """
 
 from __future__ import annotations
@@ -59,8 +58,8 @@ def time_limit(seconds: float | None):
 
 
 class Trace:
-    """The calls a program made to the part, one line each (`lines`), how many (`calls`), the time
-    spent inside them (`seconds`), the operation being run (`op`) and the method called last (`method`)."""
+    """A program's calls of the part, one line each (`lines`), how many (`calls`), the time inside
+    them (`seconds`), the operation being run (`op`) and the method called last (`method`)."""
 
     def __init__(self, limit_s: float | None = None):
         self.limit_s = limit_s

@@ -63,7 +63,7 @@ RECORDS = {part.name: part for part in REGISTRY}
 def served(parts: dict, name: str):
     """What serves as the part `name` of `parts` (the engine's option): None for the package's own
     (not given, or given as the package's), else what its registered guard returns (per part:
-    kvlearn.parts.guarded_kv); ValueError when none is: a learner's part never serves unguarded."""
+    kvlearn.parts.guard); ValueError when none is: a learner's part never serves unguarded."""
     part = parts.get(name)
     if part is None or part is RECORDS[name].package:
         return None
