@@ -171,7 +171,7 @@ class BlockManager(BlockManagerBase):
             parent, h = h, self.hash_fn(h, tokens)
             block.hash, block.token_ids, block.parent_hash = h, tokens, parent
             self.hash_to_block_id.setdefault(h, block.block_id)
-        return max(0, num_full - start)
+        return num_full - start
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether `may_append(seq)` would succeed now (it needs a free block at a block boundary)."""

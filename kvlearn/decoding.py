@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvlearn.errors import check_positive_int
+from kvlearn.errors import check_int, check_positive_int
 from kvlearn.memory import kv_bytes_per_token
 from kvlearn.model import eos_token_ids
 
@@ -155,10 +155,8 @@ def weight_bytes(model) -> int:
 
 
 class StepBytes(NamedTuple):
-    """Bytes one decode step reads: the weights once, and every sequence's K and V."""
-
-    weights: int
-    kv: int
+    weights: int  # read once per step, whatever the batch
+    kv: int       # every sequence's K and V
 
     @property
     def total(self) -> int:
@@ -194,11 +192,11 @@ def plain_read_gb_s(nbytes: int = 256 * 2 ** 20, rounds: int = 5) -> float:
     return nbytes / _best_seconds(lambda: block.sum().item(), rounds) / 1e9
 
 
-def matmul_gflop_s(n: int = 1024, rounds: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Rate of a square n x n matrix product (2 n^3 FLOPs, best of `rounds`): what the machine's
-    matrix units reach on a product large enough to keep them busy."""
+def matmul_gflop_s(n: int = 1024, rounds: int = 5) -> float:
+    """Rate of a square n x n float32 matrix product (2 n^3 FLOPs, best of `rounds`): what the
+    machine's matrix units reach on a product large enough to keep them busy."""
     check_positive_int("n", n)
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
     return 2 * n ** 3 / _best_seconds(lambda: (a @ a)[0, 0].item(), rounds) / 1e9
 
 
@@ -210,10 +208,9 @@ def tiny_twin(config):
 
     small = dict(config.to_dict(), hidden_size=4 * config.num_attention_heads, head_dim=4, intermediate_size=8,
                  vocab_size=256)  # the same layers, query and KV heads
-    small_config = type(config).from_dict(small)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(small_config).eval()
+        return AutoModelForCausalLM.from_config(type(config).from_dict(small)).eval()
 
 
 @torch.no_grad()
@@ -224,8 +221,7 @@ def time_decode_step(model, batch: int, context: int, rounds: int = 5) -> float:
     from transformers import DynamicCache
 
     check_positive_int("batch", batch)
-    if not isinstance(context, int) or context < 2:
-        raise ValueError(f"context must be an int >= 2 (a prefill, then the timed token), got {context!r}.")
+    check_int("context", context, 2, " (a prefill, then the timed token)")
     cache = DynamicCache(config=model.config)
     model(input_ids=torch.full((batch, context - 1), 5, device=model.device), cache=cache, use_cache=True)
     new = torch.full((batch, 1), 7, device=model.device)

@@ -5,15 +5,11 @@ from __future__ import annotations
 import torch
 
 
-def default_device() -> torch.device:
-    """cuda when present, else cpu."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def resolve_device(device) -> torch.device:
-    """Turn None / str / torch.device into a usable torch.device, or say why not."""
+    """Turn None (cuda when present, else cpu) / str / torch.device into a usable torch.device, or
+    say why not."""
     if device is None:
-        return default_device()
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -8,33 +8,11 @@ model is made straight from that copy. Nothing is ever downloaded.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 
 from kvlearn.device import resolve_device
 from kvlearn.model_store import cache_dir, converted_copy  # noqa: F401 (cache_dir: kvlearn.bench.peers reads it here)
-
-
-def _build_model(folder: Path, dtype: torch.dtype):
-    """The model made from its config with empty (meta) parameters that then take the safetensors
-    tensors themselves (`assign=True`): no random init and no per-tensor copy, several times faster
-    than `from_pretrained(folder)`, with bit-identical weights (tested)."""
-    from accelerate import init_empty_weights
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    config = AutoConfig.from_pretrained(folder)
-    with init_empty_weights(include_buffers=False):  # buffers (RoPE frequencies) are computed, not stored
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False, assign=True)
-    model.tie_weights()  # the file holds the embedding matrix once; lm_head shares it
-    empty = [name for name, p in model.named_parameters() if p.is_meta]
-    if unexpected or empty:
-        raise RuntimeError(f"{folder / 'model.safetensors'} does not fit the model's config (unexpected "
-                           f"{unexpected[:3]}, missing {empty[:3]}): delete {folder} and load again to rebuild it.")
-    model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model.to(dtype)
 
 
 def load_model(device=None, dtype: torch.dtype = torch.float32):
@@ -43,23 +21,35 @@ def load_model(device=None, dtype: torch.dtype = torch.float32):
     device: None picks cuda when available, else cpu. dtype: torch.float32 (the tested one),
     torch.bfloat16 or torch.float16.
     """
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     dev = resolve_device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
     folder = converted_copy()
-    return _build_model(folder, dtype).to(dev).eval(), _tokenizer(folder)
+    # The model is made from its config with empty (meta) parameters that then take the safetensors
+    # tensors themselves (`assign=True`): no random init and no per-tensor copy, several times faster
+    # than `from_pretrained(folder)`, with bit-identical weights (tested).
+    with init_empty_weights(include_buffers=False):  # buffers (RoPE frequencies) are computed, not stored
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    _, unexpected = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False, assign=True)
+    model.tie_weights()  # the file holds the embedding matrix once; lm_head shares it
+    empty = [name for name, p in model.named_parameters() if p.is_meta]
+    if unexpected or empty:
+        raise RuntimeError(f"{folder / 'model.safetensors'} does not fit the model's config (unexpected "
+                           f"{unexpected[:3]}, missing {empty[:3]}): delete {folder} and load again to rebuild it.")
+    model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.to(dev, dtype).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def load_tokenizer():
     """The tokenizer alone, for chapters that only tokenize: no weights in memory (the model takes
     0.5 GB of a workshop laptop's RAM). Converts the model first if that was never done."""
-    return _tokenizer(converted_copy())
-
-
-def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(converted_copy())
 
 
 def chat_ids(tokenizer, prompt: str, system: str | None = None, *, plain_text: bool = False) -> list[int]:
@@ -76,13 +66,9 @@ def chat_ids(tokenizer, prompt: str, system: str | None = None, *, plain_text: b
 def template_ids(tokenizer, messages: list[dict], *, plain_text: bool = False) -> list[int]:
     """Token ids of a chat (a list of {"role", "content"}) ending with the assistant's turn to speak.
     `plain_text`: as in `chat_ids`, for every message's content."""
-    if plain_text:
-        return _plain_template_ids(tokenizer, messages)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-
-def _plain_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if not plain_text:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
     # Render the template around placeholders, so the only control tokens in the text are the
     # template's own; cut the text at them, put each content back, and tokenize the pieces between
     # control tokens with control-token matching off. The tokenizer cuts at control tokens before

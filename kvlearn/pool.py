@@ -150,8 +150,7 @@ class KVPool:
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Boolean tensor: is each of these slots free? ValueError for a slot outside the pool."""
-        indices = self._as_slots(indices)
-        return self.allocator.is_free(indices // self.page_size)
+        return self.allocator.is_free(self._as_slots(indices) // self.page_size)
 
     def alloc(self, n: int) -> torch.Tensor:
         """Take `n` free slots; returns an int64 tensor of slot ids. Raises KVCapacityError (and takes
@@ -175,7 +174,20 @@ class KVPool:
         otherwise ValueError and nothing is freed."""
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.int64 and not indices.numel():
             return   # nothing to give back (a frequent case: no duplicate slots to drop)
-        self.allocator.free(self._pages_of(indices))
+        if (self.page_size == 1 and isinstance(indices, torch.Tensor) and indices.dtype == torch.int64
+                and indices.device == self.device):
+            slots = indices.reshape(-1)   # the usual free: the allocator's own check, in slots, is all it needs
+        else:
+            slots = self._as_slots(indices)
+        if self.page_size == 1:
+            check_free_ids(slots, self.num_slots, "slot")
+            pages = slots.sort().values
+        else:
+            pages, counts = torch.unique(slots // self.page_size, return_counts=True)
+            if (counts != self.page_size).any():
+                raise ValueError(f"With page_size={self.page_size}, free() takes whole pages: every page touched "
+                                 f"must have all of its {self.page_size} slots listed, once each.")
+        self.allocator.free(pages)
 
     def _as_slots(self, indices) -> torch.Tensor:
         """Slot ids (a tensor or a list of ints) as a flat int64 tensor on the pool's device, checked
@@ -195,22 +207,6 @@ class KVPool:
             raise ValueError(f"Slot indices must be in [0, {self.num_slots}), got values from "
                              f"{int(indices.min())} to {int(indices.max())}.")
         return indices
-
-    def _pages_of(self, indices) -> torch.Tensor:
-        """Validate slot ids given to `free` and return the distinct pages they cover (sorted)."""
-        if (self.page_size == 1 and isinstance(indices, torch.Tensor) and indices.dtype == torch.int64
-                and indices.device == self.device):
-            slots = indices.reshape(-1)   # the usual free: the allocator's own check, in slots, is all it needs
-        else:
-            slots = self._as_slots(indices)
-        if self.page_size == 1:
-            check_free_ids(slots, self.num_slots, "slot")
-            return slots.sort().values
-        pages, counts = torch.unique(slots // self.page_size, return_counts=True)
-        if (counts != self.page_size).any():
-            raise ValueError(f"With page_size={self.page_size}, free() takes whole pages: every page touched "
-                             f"must have all of its {self.page_size} slots listed, once each.")
-        return pages
 
     def __repr__(self) -> str:
         mib = self.nbytes / (1 << 20)

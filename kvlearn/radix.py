@@ -20,14 +20,10 @@ Invariants, kept by every public method:
   `(hits, last_access)`; ties go to the older node id. `match_len` is a pure query: it neither
   splits nor ticks nor counts a hit.
 
-Extension points, public on purpose (chapter 8's tiered tree is built on them and on nothing else):
-- per-node fields for where the KV lives below the device (`TreeNode.host_value`, `on_device`,
-  `on_disk`, as SGLang's `host_value`/`backuped`/`evicted`): this tree leaves them at their defaults;
-- `as_key(key)`: how a key becomes a tuple of token ids (a subclass may skip checks it made before);
-- `can_evict(node)` and `evict_node(node)`: which nodes `evict` may take, and what taking one does;
-  `eviction_key(node)`: the policy's key; `requeue(node)`: put a node (back) in the eviction order
-  after changing what `can_evict` or `eviction_key` reads; `remove_leaf(node)`: take a leaf out;
-- `on_split(upper, lower)`: called after an edge is cut, so a subclass cuts its own fields too.
+Extension points, public on purpose (chapter 8's tiered tree is built on them and on nothing else),
+each documented where it is defined: `TreeNode`'s fields for KV below the device (this tree leaves
+them at their defaults), `as_key`, `can_evict`, `evict_node`, `eviction_key`, `requeue`,
+`remove_leaf` and `on_split`.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ class RadixCache(RadixCacheBase):
     the match of the whole inserted key: switch to `m2.indices` and move the lock from
     `m.last_node` to `m2.last_node` (no second walk).
 
-    From `RadixCacheBase` (kvlearn/radix_base.py, the base a learner's tree inherits too): the
-    constructor's checks, the root and node ids, the input checks and keys, `nodes()`, `match_len`
-    and `unlocked_on_path`; this class keeps the sizes as counters and the eviction order in a heap.
+    From `RadixCacheBase` (kvlearn/radix_base.py, the base a learner's tree inherits too): the checks
+    of arguments and keys, the root and node ids, `nodes()`, `match_len` and `unlocked_on_path`.
     """
 
     def __init__(self, page_size: int = 1, evict_callback: Callable[[torch.Tensor], object] | None = None,
@@ -93,7 +88,6 @@ class RadixCache(RadixCacheBase):
                             f"node -> key, got {type(eviction_policy).__name__}.")
 
     def reset(self) -> None:
-        """Drop every node (without calling evict_callback: the caller resets its pool too)."""
         super().reset()
         self._nodes = {self.root.id: self.root}  # id -> node, for membership checks and stale heap entries
         self._heap: list[tuple] = []  # (eviction key, id) of unlocked leaves; may hold stale entries
@@ -101,31 +95,26 @@ class RadixCache(RadixCacheBase):
         self._evictable = 0
         self._protected = 0
 
-    # --- sizes --------------------------------------------------------------------------------
+    # --- sizes: the base's, kept as counters instead of recounted ------------------------------
     @property
     def evictable_size(self) -> int:
-        """Tokens in unlocked nodes: what `evict` could free right now."""
         return self._evictable
 
     @property
     def protected_size(self) -> int:
-        """Tokens in locked nodes (on the path of a request in flight)."""
         return self._protected
 
     @property
     def total_size(self) -> int:
-        """Tokens held by the tree."""
         return self._evictable + self._protected
 
     @property
     def num_nodes(self) -> int:
-        """Nodes in the tree, the root included."""
         return len(self._nodes)
 
     @property
     def clock(self) -> int:
-        """The logical clock: it ticks once per `match_prefix` and `insert`, and a node's `last_access`
-        is its value at the node's last touch (a pure query such as `match_len` leaves both)."""
+        """The logical clock (module docstring); a node's `last_access` is its value at its last touch."""
         return self._clock
 
     @property
@@ -147,8 +136,7 @@ class RadixCache(RadixCacheBase):
         self._clock += 1
         node, _, values = self._walk(key, hit=1)
         self.requeue(node)
-        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
-        return MatchResult(indices, node)
+        return MatchResult(torch.cat(values), node)
 
     def insert(self, key, value) -> int:
         """Cache `value[i]` as the slot of `key[i]`; return how many leading tokens were already
@@ -158,9 +146,8 @@ class RadixCache(RadixCacheBase):
         return self.insert_prefix(key, value)[0]
 
     def insert_prefix(self, key, value) -> tuple[int, MatchResult]:
-        """`insert`, also returning the match of the whole (aligned) key after inserting it: the
-        tree's slots for every token and the node to lock while they are in use. One walk does
-        both here (the base's reads the path back after `insert`; this `insert` is built on it)."""
+        """The base's `insert_prefix` (`insert`, and the match of the whole aligned key after it) in
+        one walk; `insert` is built on it."""
         key = self.as_key(key)
         value = self.as_value(value, len(key))
         key = self.aligned(key)
@@ -175,15 +162,14 @@ class RadixCache(RadixCacheBase):
             values.append(leaf.value)
             node = leaf
         self.requeue(node)
-        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64, device=self.device)
-        return matched, MatchResult(indices, node)
+        return matched, MatchResult(torch.cat(values), node)
 
     def _walk(self, key: tuple, hit: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow `key` down from the root; return the last node, the matched length and the
-        values along the path. Touches every node it enters (adding `hit` to its hits) and splits
-        a partly matched edge."""
+        values along the path, the root's (empty) first. Touches every node it enters (adding `hit`
+        to its hits) and splits a partly matched edge."""
         node, i, n, p = self.root, 0, len(key), self.page_size
-        values = []
+        values = [self.root.value]
         while i < n:
             child = node.children.get(self.child_key(key[i:i + p]))
             if child is None:
@@ -260,10 +246,9 @@ class RadixCache(RadixCacheBase):
 
     # --- eviction -----------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` tokens (smallest eviction key first: least recently used under
-        "lru") or every evictable token if there are fewer; return the number freed. Each victim is
-        a node `can_evict` allows, taken by `evict_node`: here an unlocked leaf, whose slots go to
-        `evict_callback`; a parent left as an unlocked leaf becomes a candidate in turn."""
+        """Free at least `num_tokens` tokens, smallest eviction key first, or every evictable token
+        if there are fewer; return the number freed. Victims: unlocked leaves (`can_evict`), taken by
+        `evict_node`; a parent left an unlocked leaf becomes a candidate in turn."""
         check_int("num_tokens", num_tokens, what=" (tokens, not pages)")
         freed = 0
         while freed < num_tokens and self._heap:

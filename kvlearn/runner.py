@@ -33,9 +33,8 @@ class ModelRunner:
     last new token, as the model would (the engine's fast path: `kvlearn.fast.FastLlama(model).forward`).
 
     attention: None for `kvlearn.attention.paged_attention`, or a function with its signature and
-    contract that every layer calls instead (a learner's part, `kvlearn.parts.AttentionPart`): it
-    travels to every layer as an extra keyword argument of the model's forward, beside the pool and
-    the metadata, so nothing registered with transformers changes. Not with `model_forward`, which
+    contract that every layer calls instead (a learner's part, `kvlearn.parts.AttentionPart`, passed
+    as `attention_fn`: nothing registered with transformers changes). Not with `model_forward`, which
     computes attention its own way (and never touches the model's attention setting).
     """
 
@@ -64,9 +63,8 @@ class ModelRunner:
 
     @contextmanager
     def active(self):
-        """A session: the model's attention is set to the paged one on entry and the previous one
-        is restored on exit (also on error). `run` inside it switches nothing; nested sessions
-        are part of the outer one. The model must not be used for anything else inside it."""
+        """The session of the module docstring; nested sessions are part of the outer one. The model
+        must not be used for anything else inside it."""
         if self._in_session or self.model_forward is not None:
             yield
             return

@@ -20,15 +20,15 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvlearn.attention import AttentionMetadata, attend  # noqa: E402
+from kvlearn.device import resolve_device  # noqa: E402
 from kvlearn.kernels import decode  # noqa: E402
 from kvlearn.kernels.backend import triton_paged_attention  # noqa: E402
-from kvlearn.device import default_device  # noqa: E402
 from kvlearn.kernels.decode import paged_decode_attention  # noqa: E402
 from kvlearn.kernels.extend import extend_attention  # noqa: E402
 from kvlearn.kernels.store import store_kvcache  # noqa: E402
 from kvlearn.pool import KVPool  # noqa: E402
 
-DEVICE = default_device()
+DEVICE = resolve_device(None)
 TOL = dict(rtol=1e-5, atol=1e-5)
 EXAMPLES = 25   # each example launches interpreted kernels: about 0.1-0.5 s on a CPU
 

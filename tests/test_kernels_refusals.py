@@ -17,14 +17,14 @@ pytest.importorskip("triton", reason="Triton has no wheels for this platform (Li
 import torch  # noqa: E402
 
 from kvlearn.attention import AttentionMetadata, attend  # noqa: E402
-from kvlearn.device import default_device  # noqa: E402
+from kvlearn.device import resolve_device  # noqa: E402
 from kvlearn.kernels.common import check_ranges  # noqa: E402
 from kvlearn.kernels.decode import paged_decode_attention  # noqa: E402
 from kvlearn.kernels.extend import extend_attention  # noqa: E402
 from kvlearn.kernels.store import store_kvcache  # noqa: E402
 from kvlearn.pool import KVPool  # noqa: E402
 
-DEVICE = default_device()
+DEVICE = resolve_device(None)
 CASES = {}   # name -> (case, the exception's type name or None, the argument its message names)
 
 

@@ -3,6 +3,7 @@
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,7 +133,7 @@ def test_loads_offline_in_a_fresh_process():
             "out = m.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False);"
             "print(out[0, len(ids):].tolist())")
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HTTPS_PROXY": "http://127.0.0.1:9",
-           "HTTP_PROXY": "http://127.0.0.1:9", "HOME": str(km.Path.home()),
+           "HTTP_PROXY": "http://127.0.0.1:9", "HOME": str(Path.home()),
            "KVLEARN_CACHE": str(ks.cache_dir().parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -11,7 +11,7 @@ that needs them, before anything is built.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from kvlearn.errors import check_bool, check_choice, check_positive_int
 from kvlearn.kernels import ATTENTION_BACKENDS
@@ -84,9 +84,6 @@ class EngineConfig:
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                              f"tree), got cache={self.cache!r}.")
-        self._check_parts()
-
-    def _check_parts(self) -> None:
         names = ", ".join(map(repr, PART_MODES))
         if not isinstance(self.parts, dict):
             raise TypeError(f"parts must be a dict from part name ({names}) to a class, got "
@@ -119,5 +116,4 @@ class EngineConfig:
             raise TypeError(f"Unknown engine option(s) {', '.join(unknown)}: the options are {', '.join(names)}.")
         if config is not None and not isinstance(config, cls):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}.")
-        base = {} if config is None else {name: getattr(config, name) for name in names}
-        return cls(**{**base, **options})
+        return cls(**options) if config is None else replace(config, **options)

@@ -1,6 +1,7 @@
 """Shared prefixes of token sequences: how long two prompts agree, and how many distinct prefixes
-a set of prompts holds (the unique-token floor). Chapter 6's workloads and chapter 7's traces and
-fleet count with these; chapter 3's radix tree keeps its own page-aligned match inside an edge.
+a set of prompts holds (the unique-token floor). Chapter 6's workloads and in-batch prefix check and
+chapter 7's traces and fleet count with these; chapter 3's radix tree keeps its own page-aligned
+match inside an edge.
 """
 
 from __future__ import annotations

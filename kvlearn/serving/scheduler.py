@@ -29,8 +29,7 @@ has been computed.
 
 Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
-has it check slot conservation after every step. `Scheduler` is `SchedulerBase` (the mechanics)
-plus `schedule()`, the three rules above: the part a learner writes in chapter 6.
+has it check slot conservation after every step.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlearn.errors import check_choice, check_int, check_positive_int
-from kvlearn.radix import RadixCache
 from kvlearn.serving.kv_manager import KVManager
+from kvlearn.serving.prefixes import common_prefix_len
 from kvlearn.serving.request import Request, RequestStatus
 
 SCHEDULES = ("fcfs", "lpm")
@@ -50,8 +49,6 @@ SCHEDULES = ("fcfs", "lpm")
 # saves, and the scheduler falls back to fcfs (SGLang does the same).
 LPM_MAX_QUEUE = 128
 
-
-# --- the scheduler ----------------------------------------------------------------------------
 
 @dataclass
 class Batch:
@@ -122,12 +119,11 @@ class SchedulerBase:
     in admission order, so the newest is last. The scheduler owns each request's `status` and
     `num_computed`; the KV manager owns `req.kv`.
 
-    in_batch_threshold: a waiting request whose prompt shares at least this many more tokens with
-    a request admitted in the same step than with the cache waits one step (0 turns it off).
-    chunked_prefill: split a prompt that does not fit in the step's budget across steps (else it
-    waits, and runs alone, whole, when nothing else is running). `stats` counts since the last
-    `reset_stats()`: prefill counts include recomputation after a preemption; peak_slots is the most
-    slots live requests used at once, shared slots once.
+    in_batch_threshold: the margin of `shares_in_batch` (0 turns that check off). chunked_prefill:
+    as in the module docstring (False: a prompt too big for the budget left waits, then runs alone,
+    whole, when nothing else is running). `stats` counts since the last `reset_stats()`: prefill
+    counts include recomputation after a preemption; peak_slots is the most slots live requests used
+    at once, shared slots once.
     """
 
     def __init__(self, kv: KVManager, max_batch_tokens: int = 2048, schedule: str = "fcfs",
@@ -143,7 +139,7 @@ class SchedulerBase:
         self.num_steps = 0
         self.report = StepReport(0)
         self._evicted_before = 0
-        self._in_batch = None
+        self._started: list[list[int]] = []  # the prompts admitted in this step (SGLang's in-batch prefix check)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -167,16 +163,14 @@ class SchedulerBase:
         self.num_steps += 1
         self.report = StepReport(self.num_steps)
         self._evicted_before = self.kv.evicted_tokens
-        caches = self.kv.caches_prefixes and self.in_batch_threshold
-        self._in_batch = InBatchPrefixes(self.kv.page_size) if caches else None
+        self._started = []
 
     def preempt(self, req: Request) -> None:
         """Mutation: recompute preemption. The running request gives its slots back (its computed
         tokens go to the cache, if any) and goes first in line to be prefilled again, outputs
         included; the report lists it."""
-        self.kv.release(req)
-        self.running.remove(req)
-        req.status, req.num_computed = RequestStatus.WAITING, 0
+        self._release_and_remove(req, RequestStatus.WAITING)
+        req.num_computed = 0
         self.waiting.appendleft(req)
         self.report.preempted.append(req.rid)
 
@@ -192,13 +186,14 @@ class SchedulerBase:
         return ((req, self.kv.cached_len(req.token_ids)) for req in list(self.waiting))
 
     def shares_in_batch(self, req: Request, cached: int) -> bool:
-        """Query: whether the request shares at least `in_batch_threshold` more tokens with a prompt
-        started in this step than with the cache (`cached`): admitted now, it would compute that
-        part a second time; after this step it finds it in the cache. Always False without a
-        prefix cache or with in_batch_threshold 0."""
-        if self._in_batch is None:
+        """Query: whether the request shares at least `in_batch_threshold` more tokens (whole pages,
+        its last token left out) with a prompt started in this step than with the cache (`cached`):
+        admitted now, it would compute that part a second time; after this step it finds it in the
+        cache. Always False without a prefix cache or with in_batch_threshold 0."""
+        if not (self.kv.caches_prefixes and self.in_batch_threshold):
             return False
-        return self._in_batch.shared_len(req.token_ids) - cached >= self.in_batch_threshold
+        shared = max((common_prefix_len(req.token_ids[:-1], prompt) for prompt in self._started), default=0)
+        return shared // self.kv.page_size * self.kv.page_size - cached >= self.in_batch_threshold
 
     def start(self, req: Request, budget: int) -> int | None:
         """Mutation: admit a waiting request: its KV (the KV manager reuses what is cached), status
@@ -214,8 +209,7 @@ class SchedulerBase:
         extend = len(req.token_ids) - cached
         now = min(extend, budget) if self.chunked_prefill else extend
         self.report.prefills.append((req.rid, cached, now))
-        if self._in_batch is not None:
-            self._in_batch.add(req.token_ids)
+        self._started.append(req.token_ids)
         return now
 
     def form_batch(self, prefills: list[tuple[Request, int]], chunks: list[tuple[Request, int]],
@@ -299,9 +293,7 @@ class Scheduler(SchedulerBase):
     The step's decisions (the module docstring's three rules); the rest is `SchedulerBase`."""
 
     def schedule(self) -> Batch:
-        """Pick this step's batch: decodes of running requests (preempting the newest when the pool
-        has no slot), the next chunk of each prompt already started, then admissions; none in a
-        step that preempted."""
+        """The module docstring's three rules, in order; no admissions in a step that preempted."""
         self.begin_step()
         decodes = self._decodes()
         budget = self.max_batch_tokens - len(decodes)
@@ -333,9 +325,7 @@ class Scheduler(SchedulerBase):
         return decodes
 
     def _admit(self, budget: int) -> list[tuple[Request, int]]:
-        """Admit waiting requests while budget and pool allow: (request, tokens to compute now).
-        Without chunked prefill, a prompt too big for what is left of the budget waits until
-        nothing else runs; then it runs alone, whole, over the budget."""
+        """Admit waiting requests while budget and pool allow: (request, tokens to compute now)."""
         admitted = []
         for req, cached in self.queue_order():
             too_big = len(req.token_ids) - cached > budget
@@ -353,25 +343,3 @@ class Scheduler(SchedulerBase):
             budget -= now
         return admitted
 
-
-class InBatchPrefixes:
-    """The prompts admitted in one step, in a radix tree of their own (SGLang's in-batch prefix
-    check): a request that shares more with them than with the cache would compute the shared part
-    a second time. The tree is built only when a request is checked against a non-empty batch
-    (most steps admit one request or none); its values are never read."""
-
-    def __init__(self, page_size: int):
-        self.page_size, self.tree, self.unchecked = page_size, None, []
-
-    def add(self, token_ids: list[int]) -> None:
-        self.unchecked.append(token_ids)
-
-    def shared_len(self, token_ids: list[int]) -> int:
-        """Tokens, in whole pages, that `token_ids` (but its last) shares with an admitted prompt."""
-        if self.tree is None and not self.unchecked:
-            return 0
-        self.tree = RadixCache(self.page_size) if self.tree is None else self.tree
-        for prompt in self.unchecked:
-            self.tree.insert(prompt, torch.zeros(len(prompt), dtype=torch.int64))
-        self.unchecked.clear()
-        return self.tree.match_len(token_ids[:-1])
