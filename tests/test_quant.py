@@ -103,7 +103,7 @@ def prompts(tokenizer):
     return prefix, [prefix + tokenizer.encode(" Say it again."), prefix + tokenizer.encode(" Why?")]
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int8"])
+@pytest.mark.parametrize("name", sorted(KV_CACHE_DTYPES))
 def test_caches_give_the_no_cache_tokens_and_reuse_quantized_pages_as_they_are(model, tokenizer, prompts, name):
     prefix, two = prompts
     expected = [o.token_ids for o in Engine(model, tokenizer, cache="none", kv_cache_dtype=name,
