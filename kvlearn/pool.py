@@ -119,17 +119,21 @@ class KVPool:
             raise ValueError(f"{cfg.name} caches a latent (MLA) or has V heads narrower than K heads; "
                              "KVPool stores plain K and V per KV head (MHA / GQA models only).")
         if memory_budget_bytes is not None:
-            num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size)
+            num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size, kv_cache_dtype)
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots, dtype=dtype, device=device,
                    page_size=page_size, allocator_cls=allocator_cls, kv_cache_dtype=kv_cache_dtype)
 
     @staticmethod
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,
-                         page_size: int = 1) -> int:
-        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count."""
+                         page_size: int = 1, kv_cache_dtype: str = "auto") -> int:
+        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count
+        (over the format's rows, scales included)."""
         check_positive_int("memory_budget_bytes", memory_budget_bytes)
         check_positive_int("page_size", page_size)
-        per_token = kv_bytes_per_token(config, dtype)
+        check_choice("kv_cache_dtype", kv_cache_dtype, sorted(KV_CACHE_DTYPES))
+        head_dim = get_config(config).head_dim
+        fmt = KV_CACHE_DTYPES[kv_cache_dtype](dtype, head_dim)
+        per_token = kv_bytes_per_token(config, fmt.dtype) * fmt.row // head_dim
         slots = memory_budget_bytes // per_token // page_size * page_size
         if slots == 0:
             raise ValueError(f"A budget of {memory_budget_bytes} bytes does not hold one page of "

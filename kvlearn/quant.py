@@ -18,7 +18,7 @@ relative step for values above its subnormals (|x| >= 2^-6 s).
 `perplexity_and_kl` measures what a format costs, teacher-forced through chapter 5's paged runner;
 `quality_table` does it for several formats (the first one the reference), e.g. over the README:
 `python -c 'import kvlearn; from kvlearn.quant import quality_table; m, t = kvlearn.load_model();
-print(*quality_table(m, t.encode(open("README.md").read())[:512]), sep="\n")'`.
+print(*quality_table(m, t.encode(open("README.md").read())[:512]), sep="\\n")'`.
 The Triton kernels (`kvlearn.kernels`) and the fast path read the pool raw: the engine serves these
 formats with chapter 5's torch attention only (`EngineConfig` refuses the others).
 """

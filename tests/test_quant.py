@@ -10,6 +10,7 @@ from hypothesis.extra.numpy import arrays
 
 from kvlearn import Engine, EngineConfig, KVPool
 from kvlearn.formats import KV_CACHE_DTYPES
+from kvlearn.memory import KVConfig
 from kvlearn.quant import FORMATS, perplexity_and_kl
 
 QUANTIZED = sorted(FORMATS)
@@ -76,6 +77,10 @@ def test_bytes_per_token_counts_the_scales_and_names_are_checked():
         EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="multiple of 4"):
         KVPool(2, 3, 6, 16, kv_cache_dtype="int8")
+    cfg = KVConfig("smollm2-like", "GQA", 30, 9, 3, 64)
+    for name, per_token in sizes.items():   # a memory budget buys slots at the format's bytes per token
+        pool = KVPool.for_model(cfg, memory_budget_bytes=per_token * 100 + 1, page_size=16, kv_cache_dtype=name)
+        assert pool.num_slots == 96 and pool.bytes_per_token == per_token
     assert set(QUANTIZED) < set(KV_CACHE_DTYPES)   # kvlearn/__init__ registers every chapter-10 format
 
 
