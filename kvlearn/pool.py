@@ -23,7 +23,7 @@ import torch
 from kvlearn.allocator import PageAllocator, check_free_ids
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, check_choice, check_int, check_positive_int
-from kvlearn.formats import KV_CACHE_DTYPES, register_kv_cache_dtype
+from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
 
 
@@ -59,8 +59,7 @@ class Cast:
     def decode(self, rows, dtype): return rows.to(dtype)
 
 
-register_kv_cache_dtype("auto", Cast)
-register_kv_cache_dtype("bfloat16", lambda dtype, head_dim: Cast(torch.bfloat16, head_dim))
+KV_CACHE_DTYPES.update(auto=Cast, bfloat16=lambda dtype, head_dim: Cast(torch.bfloat16, head_dim))
 
 
 class KVPool:
@@ -126,8 +125,7 @@ class KVPool:
     @staticmethod
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,
                          page_size: int = 1, kv_cache_dtype: str = "auto") -> int:
-        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count
-        (over the format's rows, scales included)."""
+        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 count over the format's rows."""
         check_positive_int("memory_budget_bytes", memory_budget_bytes)
         check_positive_int("page_size", page_size)
         check_choice("kv_cache_dtype", kv_cache_dtype, sorted(KV_CACHE_DTYPES))
