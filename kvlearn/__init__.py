@@ -1,13 +1,15 @@
 """kvlearn: the KV-cache layer of an LLM inference engine, built chapter by chapter.
 
 Names are imported lazily so that `import kvlearn` stays fast and does not pull in transformers
-until a chapter needs the model. Chapter 8's tiers and the guards of a learner's parts
+until a chapter needs the model. Chapter 10's quantized KV formats reach the pool through chapter 4's
+`kvlearn.formats`, and chapter 8's tiers and the guards of a learner's parts
 (kvlearn.parts) reach the engine through chapter 6's hooks (`kvlearn.serving.hooks`), filled here;
 each is imported when first asked for (an engine built; a learner's part given), not before.
 """
 
 from importlib import import_module
 
+from kvlearn.formats import register_kv_cache_dtype
 from kvlearn.serving.hooks import register_kv_factory, register_part_guards
 
 _EXPORTS = {
@@ -46,6 +48,17 @@ def _part_guards() -> dict:
     return GUARDS
 
 
+def _quantized(name: str):
+    """Chapter 10's format `name` (kvlearn.quant), imported when a pool first asks for it."""
+    def make(dtype, head_dim):
+        from kvlearn.quant import FORMATS
+
+        return FORMATS[name](dtype, head_dim)
+    return make
+
+
+for _name in ("fp8_e4m3", "int8"):   # kvlearn.quant.FORMATS
+    register_kv_cache_dtype(_name, _quantized(_name))
 register_kv_factory(_tiered_kv)
 register_part_guards(_part_guards)
 

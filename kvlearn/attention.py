@@ -99,23 +99,25 @@ def paged_attention(query, key, value, layer: int, kv_pool, md: AttentionMetadat
     Returns [T, heads, head_dim], the packed row in the same order as the queries."""
     kv_pool.write(layer, md.slot_mapping, key, value)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return attend(query, kv_pool.k[layer], kv_pool.v[layer], md, scale)
+    return attend(query, kv_pool.k[layer], kv_pool.v[layer], md, scale, kv_pool.format.decode)
 
 
-def attend(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def attend(query, k_cache, v_cache, md: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
     """Attention of the packed queries [T, heads, head_dim] over the contexts `md` describes, read
-    from the caches (one layer's [slots, kv_heads, head_dim]) that already hold every new token's K/V."""
+    from the caches (one layer's [slots, kv_heads, row]) that already hold every new token's K/V.
+    decode(rows, dtype): the pool's format (`KVPool.format.decode`; None: rows are K and V as they are)."""
     q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
-    k, v = _gather(k_cache, md.kv_indices, query.dtype), _gather(v_cache, md.kv_indices, query.dtype)
+    k, v = (_gather(c, md.kv_indices, query.dtype, decode) for c in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(-1, *query.shape[1:])[md.query_slots]
 
 
-def _gather(cache: torch.Tensor, indices: torch.Tensor, dtype) -> torch.Tensor:
-    """cache[indices] for [B, L] indices as [B, kv_heads, L, D]. index_select on the flattened
+def _gather(cache: torch.Tensor, indices: torch.Tensor, dtype, decode=None) -> torch.Tensor:
+    """cache[indices] for [B, L] indices as [B, kv_heads, L, D], decoded. index_select on the flattened
     indices is several times faster than advanced indexing on CPU."""
-    rows = cache.index_select(0, indices.reshape(-1)).view(*indices.shape, *cache.shape[1:])
-    return rows.transpose(1, 2).to(dtype)
+    rows = cache.index_select(0, indices.reshape(-1))
+    rows = rows.to(dtype) if decode is None else decode(rows, dtype)
+    return rows.view(*indices.shape, *rows.shape[1:]).transpose(1, 2)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,

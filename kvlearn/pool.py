@@ -9,6 +9,9 @@ into this pool, and the model's attention reads and writes K and V at those slot
 - `ReqToTokenPool`: one row per live request listing the slot of each of its tokens, the table
   attention reads a request's context through.
 
+A slot holds rows in the pool's format (`kv_cache_dtype`, vLLM's names; chapter 10's `kvlearn.quant`
+adds quantized ones): a row's scale lives in its slot, so whatever moves a slot moves its scale.
+
 Invariant: every slot is either free (in the allocator) or owned by exactly one caller; `alloc` and
 `free` check their arguments before they change anything, so a refused call leaves the pool as it was.
 """
@@ -19,7 +22,8 @@ import torch
 
 from kvlearn.allocator import PageAllocator, check_free_ids
 from kvlearn.device import resolve_device
-from kvlearn.errors import KVCapacityError, check_int, check_positive_int
+from kvlearn.errors import KVCapacityError, check_choice, check_int, check_positive_int
+from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig, get_config, kv_bytes_per_token
 
 
@@ -45,10 +49,24 @@ def check_fits(bytes_per_token: int, num_slots: int, device: torch.device) -> No
                           f"use a smaller num_slots (about {have // bytes_per_token:,} would fill it all).")
 
 
+class Cast:
+    """The format of "auto" and "bfloat16": a row is head_dim values in `dtype`. A format has `dtype`,
+    `row` (entries per token and KV head), `encode(x) -> rows` and `decode(rows, dtype) -> x`."""
+
+    def __init__(self, dtype: torch.dtype, head_dim: int):
+        self.dtype, self.row = dtype, head_dim
+    def encode(self, x): return x.to(self.dtype)
+    def decode(self, rows, dtype): return rows.to(dtype)
+
+
+KV_CACHE_DTYPES.update(auto=Cast, bfloat16=lambda dtype, head_dim: Cast(torch.bfloat16, head_dim))
+
+
 class KVPool:
     """K and V for every layer in one preallocated tensor, handed out slot by slot (or page by page).
 
-    `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, head_dim]` views of that tensor.
+    `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, row]` views of it, in the format
+    `self.format` of `kv_cache_dtype` ("auto": head_dim values in `dtype`); `bytes_per_token` counts scales.
     `allocator` is the page allocator, built as `allocator_cls(num_pages, device=...)`: chapter 4's
     `PageAllocator` when None, else exactly the class given (a learner's part, with the contract
     `kvlearn.parts.AllocatorPart`; the engine gives it behind a guard). A pool larger than the
@@ -60,7 +78,8 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
-                 allocator_cls=None):
+                 allocator_cls=None, kv_cache_dtype: str = "auto"):
+        check_choice("kv_cache_dtype", kv_cache_dtype, sorted(KV_CACHE_DTYPES))
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("num_slots", num_slots), ("page_size", page_size)):
             check_positive_int(name, value)
@@ -72,11 +91,13 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_slots, self.page_size, self.dtype = num_slots, page_size, dtype
         self.device = resolve_device(device)
-        # The chapter-0 count; query heads do not change KV size, so the config says one per KV head.
-        shape = KVConfig("KVPool", "MHA", num_layers, num_kv_heads, num_kv_heads, head_dim)
-        self.bytes_per_token = kv_bytes_per_token(shape, dtype)
+        self.kv_cache_dtype, self.format = kv_cache_dtype, KV_CACHE_DTYPES[kv_cache_dtype](dtype, head_dim)
+        # The chapter-0 count, over a row; query heads do not change KV size, so one per KV head.
+        shape = KVConfig("KVPool", "MHA", num_layers, num_kv_heads, num_kv_heads, self.format.row)
+        self.bytes_per_token = kv_bytes_per_token(shape, self.format.dtype)
         check_fits(self.bytes_per_token, num_slots, self.device)
-        self.kv = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.kv = torch.zeros(num_layers, 2, num_slots, num_kv_heads, self.format.row, dtype=self.format.dtype,
+                              device=self.device)
         assert self.nbytes == self.bytes_per_token * num_slots
         self.k = tuple(self.kv[layer, 0] for layer in range(num_layers))
         self.v = tuple(self.kv[layer, 1] for layer in range(num_layers))
@@ -87,7 +108,7 @@ class KVPool:
     @classmethod
     def for_model(cls, config, num_slots: int | None = None, memory_budget_bytes: int | None = None,
                   dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
-                  allocator_cls=None) -> "KVPool":
+                  allocator_cls=None, kv_cache_dtype: str = "auto") -> "KVPool":
         """A pool shaped for `config` (transformers config or `kvlearn.memory.KVConfig`), sized by
         exactly one of `num_slots` or `memory_budget_bytes` (whole pages that fit the budget)."""
         if (num_slots is None) == (memory_budget_bytes is None):
@@ -97,17 +118,20 @@ class KVPool:
             raise ValueError(f"{cfg.name} caches a latent (MLA) or has V heads narrower than K heads; "
                              "KVPool stores plain K and V per KV head (MHA / GQA models only).")
         if memory_budget_bytes is not None:
-            num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size)
+            num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size, kv_cache_dtype)
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots, dtype=dtype, device=device,
-                   page_size=page_size, allocator_cls=allocator_cls)
+                   page_size=page_size, allocator_cls=allocator_cls, kv_cache_dtype=kv_cache_dtype)
 
     @staticmethod
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,
-                         page_size: int = 1) -> int:
-        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 bytes-per-token count."""
+                         page_size: int = 1, kv_cache_dtype: str = "auto") -> int:
+        """How many slots (whole pages) of KV fit in the budget, by the chapter-0 count over the format's rows."""
         check_positive_int("memory_budget_bytes", memory_budget_bytes)
         check_positive_int("page_size", page_size)
-        per_token = kv_bytes_per_token(config, dtype)
+        check_choice("kv_cache_dtype", kv_cache_dtype, sorted(KV_CACHE_DTYPES))
+        head_dim = get_config(config).head_dim
+        fmt = KV_CACHE_DTYPES[kv_cache_dtype](dtype, head_dim)
+        per_token = kv_bytes_per_token(config, fmt.dtype) * fmt.row // head_dim
         slots = memory_budget_bytes // per_token // page_size * page_size
         if slots == 0:
             raise ValueError(f"A budget of {memory_budget_bytes} bytes does not hold one page of "
@@ -144,9 +168,9 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`store` without the checks: attention calls it in every layer of every forward, on slots
-        the runner has already checked once for the whole step."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        the runner has already checked once for the whole step. Each row is encoded in the pool's format."""
+        self.k[layer].index_copy_(0, slots, self.format.encode(k))
+        self.v[layer].index_copy_(0, slots, self.format.encode(v))
 
     def is_free(self, indices: torch.Tensor) -> torch.Tensor:
         """Boolean tensor: is each of these slots free? ValueError for a slot outside the pool."""
@@ -209,10 +233,11 @@ class KVPool:
         return indices
 
     def __repr__(self) -> str:
-        mib = self.nbytes / (1 << 20)
+        mib, kind = self.nbytes / (1 << 20), self.kv_cache_dtype
+        kind = str(self.dtype).removeprefix("torch.") if kind == "auto" else kind
         return (f"KVPool(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"slots={self.num_slots}, page_size={self.page_size}, free={self.num_free}, "
-                f"dtype={str(self.dtype).removeprefix('torch.')}, {mib:.1f} MiB, device={self.device.type})")
+                f"dtype={kind}, {mib:.1f} MiB, device={self.device.type})")
 
 
 class ReqToTokenPool:

@@ -4,7 +4,8 @@ Every layer of a step: `store_kvcache` writes the new K and V at `md.slot_mappin
 step (one new token per sequence, which `md`'s shapes tell without asking the device) runs
 `paged_decode_attention`, and any other step `extend_attention` for all its sequences, both reading
 each sequence's context through `md.kv_indices`, its `req_to_token` row (one slot per position, so
-page_size 1 in the kernels' terms, whatever the pool's page size).
+page_size 1 in the kernels' terms, whatever the pool's page size). They read the pool's rows as K
+and V themselves: a pool of another kv_cache_dtype than "auto" (chapter 10) is refused for now.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def triton_paged_attention(query, key, value, layer: int, kv_pool, md: Attention
     """Chapter 5's `paged_attention` with Triton kernels: the same arguments, the same result.
     query: [T, heads, head_dim] (RoPE applied); key, value: [T, kv_heads, head_dim]. stage1: the
     decode steps' stage-1 kernel (`paged_decode_attention`'s argument; None: the package's)."""
+    if kv_pool.kv_cache_dtype != "auto":
+        raise ValueError(f"The Triton kernels read a pool of kv_cache_dtype 'auto' only, this one is "
+                         f"{kv_pool.kv_cache_dtype!r}: serve it with attention_backend='torch'.")
     k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
     store_kvcache(key, value, k_cache, v_cache, md.slot_mapping)
     scale = query.shape[-1] ** -0.5 if scale is None else scale

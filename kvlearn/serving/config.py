@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from kvlearn.errors import check_bool, check_choice, check_positive_int
 from kvlearn.kernels import ATTENTION_BACKENDS
+from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.serving.cache_modes import CACHE_MODES, WRITE_POLICIES, default_page_size
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 from kvlearn.serving.part_registry import REGISTRY, served
@@ -34,6 +35,7 @@ class EngineConfig:
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
     page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size (None: 16, else 1)
     max_requests: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
+    kv_cache_dtype: str = "auto"         # what a slot stores, vLLM's names (kvlearn.formats; chapter 10)
     parts: dict = field(default_factory=dict)  # learners' parts by name (kvlearn.parts), built like the package's
                                          # own (the records of kvlearn.serving.part_registry); one not given: ours
 
@@ -64,6 +66,7 @@ class EngineConfig:
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("write_policy", self.write_policy, WRITE_POLICIES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
         self.page_size = default_page_size(self.cache) if self.page_size is None else self.page_size
         self.num_slots = DEFAULT_NUM_SLOTS if self.num_slots is None else self.num_slots
         check_bool("chunked_prefill", self.chunked_prefill)
@@ -81,6 +84,10 @@ class EngineConfig:
             raise ValueError("attention_backend='triton' serves in the model's own layers, but "
                              + ("fast=True computes attention its own way" if self.fast else
                                 "parts['attention'] is the attention there") + ": give one of the two.")
+        if self.kv_cache_dtype != "auto" and (self.fast or self.attention_backend == "triton"
+                                              or "attention" in self.parts):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by chapter 5's torch attention only: "
+                             "give fast=False, attention_backend='torch' (or 'auto') and no parts['attention'].")
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                              f"tree), got cache={self.cache!r}.")

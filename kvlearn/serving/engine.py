@@ -85,7 +85,8 @@ class Engine:
         # The pool checks its sizes (num_slots a multiple of page_size) before anything is built. A
         # learner's part serves behind its guard (`served`; None: the package's own).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
-                                     page_size=c.page_size, allocator_cls=served(c.parts, "allocator"))
+                                     page_size=c.page_size, allocator_cls=served(c.parts, "allocator"),
+                                     kv_cache_dtype=c.kv_cache_dtype)
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -96,7 +97,8 @@ class Engine:
         if fast or "attention" in c.parts:
             self.attention_backend, attention = ("fast", None) if fast else ("part", served(c.parts, "attention"))
         else:
-            self.attention_backend = resolve_attention_backend(c.attention_backend, model.device)
+            backend = c.attention_backend if c.kv_cache_dtype == "auto" else "torch"  # chapter 10: torch only
+            self.attention_backend = resolve_attention_backend(backend, model.device)
             attention = attention_function(self.attention_backend)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
                                   attention=attention)

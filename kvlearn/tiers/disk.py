@@ -80,7 +80,8 @@ def model_identity(model) -> str:
 class DiskStore:
     """Pages of KV in files under `folder`, for one model identity, dtype and page shape.
 
-    shape: (num_layers, num_kv_heads, head_dim) of the pool the pages come from and go to.
+    shape: (num_layers, num_kv_heads, row) of the pool the pages come from and go to (row: head_dim, or
+    a quantized row with its scale, chapter 10).
     max_bytes: the most bytes the entries' files may take (at least one entry); None: no limit.
     The folder must exist and be writable: the error at construction says what to do otherwise.
 

@@ -1,7 +1,7 @@
 """Chapter 8: the host tier, a second KV pool in CPU memory, and copies between pools.
 
-The host pool has the device pool's layout (`[layers, 2, slots, kv_heads, head_dim]`) and page
-size, so a node's KV moves between them slot for slot. On a CPU-only machine both pools are CPU
+The host pool has the device pool's layout (`[layers, 2, slots, kv_heads, row]`), format
+(`kv_cache_dtype`: quantized rows move with their scales, chapter 10) and page size, so a node's KV moves between them slot for slot. On a CPU-only machine both pools are CPU
 tensors and a copy is a memcpy; on a GPU the host pool would be pinned memory and copies would
 run on their own CUDA stream (see the chapter's notebook).
 """
@@ -21,7 +21,7 @@ def host_pool_for(pool: KVPool, num_slots: int) -> KVPool:
         raise ValueError(f"host_slots ({num_slots}) must be a multiple of page_size ({pool.page_size}): "
                          f"use {num_slots // pool.page_size * pool.page_size or pool.page_size}.")
     return KVPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, num_slots, dtype=pool.dtype,
-                  device="cpu", page_size=pool.page_size)
+                  device="cpu", page_size=pool.page_size, kv_cache_dtype=pool.kv_cache_dtype)
 
 
 def copy_kv(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor) -> None:

@@ -108,7 +108,10 @@ def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
     disk = None
     if options.disk_dir is not None:  # first: it checks the folder before the host pool takes memory
         page = -(-DISK_PAGE_TOKENS // pool.page_size) * pool.page_size
-        disk = DiskStore(options.disk_dir, model_identity(model), pool.dtype,
-                         (pool.num_layers, pool.num_kv_heads, pool.head_dim), page, max_bytes=options.disk_max_bytes)
+        # A page holds the pool's rows as stored (chapter 10: quantized, with their scales); the
+        # format joins the identity, so a folder never hands one format's bytes to another.
+        kind = "" if pool.kv_cache_dtype == "auto" else f" kv_cache_dtype={pool.kv_cache_dtype}"
+        disk = DiskStore(options.disk_dir, model_identity(model) + kind, pool.kv.dtype,
+                         (pool.num_layers, pool.num_kv_heads, pool.kv.shape[-1]), page, max_bytes=options.disk_max_bytes)
     host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
     return TieredRadixKV(pool, options.max_requests, host, disk, options.write_policy)

@@ -1,0 +1,159 @@
+"""Chapter 10: quantized KV formats (kvlearn.quant) in chapter 4's pool, served by the engine."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvlearn import Engine, EngineConfig, KVPool
+from kvlearn.formats import KV_CACHE_DTYPES
+from kvlearn.memory import KVConfig
+from kvlearn.quant import FORMATS, perplexity_and_kl
+
+QUANTIZED = sorted(FORMATS)
+D = 8   # head_dim of the property tests
+
+
+def fmt(name, head_dim=D):
+    return KV_CACHE_DTYPES[name](torch.float32, head_dim)
+
+
+rows = arrays("float32", st.tuples(st.integers(1, 4), st.just(D)),
+              elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False))
+
+
+# The largest error a format may make on each value of a row, from the row's absmax: int8 half a
+# step; fp8 e4m3 a 2^-4 relative step (3 mantissa bits), or half a subnormal step (2^-9 of the scale).
+BOUNDS = {"int8": lambda x, absmax: absmax / 127 / 2,
+          "fp8_e4m3": lambda x, absmax: torch.maximum(x.abs() * 2.0 ** -4, absmax / 448 * 2.0 ** -10)}
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@settings(max_examples=300)
+@given(x=rows)
+def test_a_round_trip_is_within_the_formats_bound(name, x):
+    x = torch.from_numpy(x)
+    f = fmt(name)
+    back = f.decode(f.encode(x), torch.float32)
+    absmax = x.abs().amax(-1, keepdim=True)
+    assert ((back - x).abs() <= BOUNDS[name](x, absmax) + absmax * 1e-6).all()   # + float32's own rounding
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_an_all_zero_row_and_saturation(name):
+    f = fmt(name)
+    x = torch.zeros(3, 2, D)
+    x[1, 0] = torch.tensor([1e30, -3.0, 0.5, 0, 0, 0, 0, 2.0])   # a huge value sets the scale
+    x[2, 1] = torch.full((D,), -7.0)                              # every value at the absmax
+    rows = f.encode(x)
+    assert rows.shape == (3, 2, D + 4) and rows.dtype == torch.uint8
+    back = f.decode(rows, torch.float32)
+    assert torch.equal(back[0], torch.zeros(2, D)) and torch.equal(back[1, 1], torch.zeros(D))
+    codes, _ = f.quantize(x)
+    assert codes.float().abs().max() == f.qmax                    # saturates at the format's largest code
+    assert math.isclose(back[1, 0, 0], 1e30, rel_tol=1e-6) and torch.allclose(back[2, 1], x[2, 1])
+    assert torch.isfinite(back).all()
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_encode_is_row_local_so_the_same_k_gives_the_same_bytes(name):
+    x = torch.randn(6, 3, 64)
+    f = fmt(name, 64)
+    assert torch.equal(f.encode(x)[2:4], f.encode(x[2:4]))
+
+
+def test_bytes_per_token_counts_the_scales_and_names_are_checked():
+    sizes = {name: KVPool(30, 3, 64, 16, kv_cache_dtype=name).bytes_per_token for name in KV_CACHE_DTYPES}
+    assert sizes == {"auto": 2 * 30 * 3 * 64 * 4, "bfloat16": 2 * 30 * 3 * 64 * 2,
+                     "fp8_e4m3": 2 * 30 * 3 * (64 + 4), "int8": 2 * 30 * 3 * (64 + 4)}
+    pool = KVPool(2, 3, 64, 16, kv_cache_dtype="int8")
+    assert pool.nbytes == pool.bytes_per_token * 16
+    with pytest.raises(ValueError, match="'auto', 'bfloat16', 'fp8_e4m3', 'int8'"):
+        KVPool(2, 3, 64, 16, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        KVPool(2, 3, 6, 16, kv_cache_dtype="int8")
+    cfg = KVConfig("smollm2-like", "GQA", 30, 9, 3, 64)
+    for name, per_token in sizes.items():   # a memory budget buys slots at the format's bytes per token
+        pool = KVPool.for_model(cfg, memory_budget_bytes=per_token * 100 + 1, page_size=16, kv_cache_dtype=name)
+        assert pool.num_slots == 96 and pool.bytes_per_token == per_token
+    assert set(QUANTIZED) < set(KV_CACHE_DTYPES)   # kvlearn/__init__ registers every chapter-10 format
+
+
+def test_the_fast_path_and_the_kernels_refuse_a_quantized_pool():
+    with pytest.raises(ValueError, match="torch attention only"):
+        EngineConfig(kv_cache_dtype="int8", fast=True)
+    with pytest.raises(ValueError, match="torch attention only"):
+        EngineConfig(kv_cache_dtype="int8", attention_backend="triton")
+    with pytest.raises(ValueError, match="no parts"):
+        EngineConfig(kv_cache_dtype="bfloat16", parts={"attention": lambda *a: None})
+    pytest.importorskip("triton")
+    from kvlearn.kernels.backend import triton_paged_attention
+
+    pool = KVPool(1, 1, 8, 4, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        triton_paged_attention(None, None, None, 0, pool, None)
+
+
+# --- the real model ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    prefix = tokenizer.encode("The KV cache keeps the keys and values of every token a model has read, "
+                              "so that the next token costs one step, not a whole pass.")
+    return prefix, [prefix + tokenizer.encode(" Say it again."), prefix + tokenizer.encode(" Why?")]
+
+
+@pytest.mark.parametrize("name", sorted(KV_CACHE_DTYPES))
+def test_caches_give_the_no_cache_tokens_and_reuse_quantized_pages_as_they_are(model, tokenizer, prompts, name):
+    prefix, two = prompts
+    expected = [o.token_ids for o in Engine(model, tokenizer, cache="none", kv_cache_dtype=name,
+                                            num_slots=256).generate(two, max_new_tokens=4)]
+    for cache in ("radix", "blocks"):
+        engine = Engine(model, tokenizer, cache=cache, kv_cache_dtype=name, num_slots=256)
+        first = engine.generate(two[:1], max_new_tokens=4)[0].token_ids
+        before = engine.pool.kv.clone()
+        second = engine.generate(two[1:], max_new_tokens=4)[0].token_ids
+        assert [first, second] == expected, cache
+        assert engine.stats["cached_tokens"] >= len(prefix) // 16 * 16 > 0
+        if cache == "radix":   # the prefix's rows, scales included, were read again, not rewritten
+            slots = engine.cache.match_prefix(prefix).indices
+            assert len(slots) == len(prefix)
+            assert torch.equal(engine.pool.kv[:, :, slots], before[:, :, slots])
+
+
+def test_perplexity_is_teacher_forced_through_the_pool(model, tokenizer):
+    ids = tokenizer.encode("Every chapter runs on a laptop CPU, offline, with a real trained model.")
+    ppl, kl, logp = perplexity_and_kl(model, ids, "auto", chunk=5)
+    with torch.no_grad():
+        hf = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    assert torch.allclose(logp, hf, atol=1e-4)
+    assert math.isclose(ppl, math.exp(-float(hf.gather(1, torch.tensor(ids[1:])[:, None]).mean())), rel_tol=1e-4)
+    _, kl_auto, _ = perplexity_and_kl(model, ids, "auto", reference=logp)
+    _, kl_int8, _ = perplexity_and_kl(model, ids, "int8", reference=logp)
+    assert kl_auto < 1e-9 < kl_int8 < 0.05
+
+
+def test_a_demoted_page_on_disk_is_smaller_with_int8_and_comes_back(model, tokenizer, prompts, tmp_path):
+    prefix, two = prompts
+    sizes = {}
+    for name in ("auto", "int8"):
+        folder = tmp_path / name
+        folder.mkdir()
+        engine = Engine(model, tokenizer, kv_cache_dtype=name, num_slots=256, disk_dir=folder,
+                        write_policy="write_through")
+        out = engine.generate(two[:1], max_new_tokens=4)[0].token_ids
+        files = list(folder.glob("*.kv"))
+        assert files
+        sizes[name] = max(f.stat().st_size for f in files)
+    assert sizes["int8"] < sizes["auto"] * 0.3
+    restarted = Engine(model, tokenizer, kv_cache_dtype="int8", num_slots=256, disk_dir=tmp_path / "int8")
+    assert restarted.generate(two[:1], max_new_tokens=4)[0].token_ids == out
+    assert restarted.stats["loaded_from_disk_tokens"] > 0
+    foreign = Engine(model, tokenizer, kv_cache_dtype="fp8_e4m3", num_slots=256, disk_dir=tmp_path / "int8")
+    foreign.generate(two[:1], max_new_tokens=1)
+    assert foreign.stats["loaded_from_disk_tokens"] == 0   # another format's bytes are never read as its own
