@@ -17,6 +17,7 @@ from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
 from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import SUITES, CheckReport, check
+from kvlearn.parts.decode_kernel import DecodeKernelPart
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 
@@ -39,6 +40,6 @@ def _docs_table() -> str:
 if __doc__ is not None:   # python -OO drops docstrings
     __doc__ += _docs_table() + "\n"
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart", "BlockTablePart",
            "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
            "SchedulerPart", "SchedulerBase"]
