@@ -92,7 +92,8 @@ def _has(cls: type, member: str) -> bool:
     return True
 
 
-def check(name: str, impl, time_limit_s: float | None = None, programs: int | None = None, seed: int = 0) -> CheckReport:
+def check(name: str, impl, time_limit_s: float | None = None, programs: int | None = None,
+          seed: int = 0) -> CheckReport:
     """Run the conformance suite of part `name` (a key of `SUITES`: "block_table", "block_manager", ...)
     on `impl`, the part's class (built with the same arguments as the package's) or, for "attention",
     its function, over `programs` random programs drawn from `seed`; a call may take `time_limit_s`.

@@ -1,15 +1,12 @@
-"""The conformance suite of the `decode_kernel` part (chapter 5): a stage-1 kernel, launched in Triton's
+"""The conformance suite of the `decode_kernel` part (chapter 5): a stage-1 kernel launched in Triton's
 interpreter by `paged_decode_attention(..., stage1=kernel)`, judged by attention one query at a time.
 
-A program is one decode step of 1-4 sequences: GQA groups 1, 3 or 4 over 1-2 KV heads, head_dim 64
-or 128, a float32 or bfloat16 pool of pages of 1 or 16 slots in shuffled order, contexts at the tile
-edges (1, 63, 64, 65 positions) or of a few tiles, in 1-3 splits (more splits than positions leaves
-some empty). The pool is poisoned: slots that no table reaches hold NaN, and the slots a table
-reaches at or past its sequence's kv_len hold K 0 and V 1e6, so a read outside the mask shows. A
-wrong output's hint comes from the kernel run again on changed inputs, never from wrong variants of
-the reference: NaN that goes once the NaN slots hold 0 was read there; a huge value that goes once
-the past slots hold 0 was weighed past kv_len; with V = its KV head's number + 1, every output of a
-head must be that number; then one split, all scores equal (K = 0), and only the first tile.
+A program is one decode step: 1-4 sequences at the tile edges (1, 63, 64, 65 positions) or of a few
+tiles, in 1-3 splits (some empty), GQA groups 1, 3 or 4 over 1-2 KV heads, head_dim 64 or 128, a
+float32 or bfloat16 pool of shuffled pages of 1 or 16 slots, poisoned: slots no table reaches hold
+NaN, slots a table reaches at or past kv_len K 0 and V 1e6. A wrong output's hint comes from the
+kernel run again on changed inputs (`_diagnose`), never from wrong variants of the reference.
+Programs of seed 0 cover every case above (tests/test_parts_decode_kernel.py).
 """
 
 from __future__ import annotations
@@ -28,10 +25,11 @@ PROGRAMS, TIME_LIMIT_S = 24, 30.0   # a call is a whole interpreted launch: slow
 CONTEXTS = (1, 63, 64, 65, 100, 129, 200)
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 JUDGE = "attention one query at a time, in float64, over a poisoned pool"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 HINTS = {
-    "paged_decode_attention": "the kernel must run in Triton's interpreter: read the error above; tl.load and "
-                              "tl.dot need tiles of matching shapes ([BLOCK_N] positions, [BLOCK_N, BLOCK_D] K and V).",
+    "paged_decode_attention": "the kernel must run in Triton's interpreter: read the error above (tiles of "
+                              "[BLOCK_N] positions, K and V of [BLOCK_N, BLOCK_D]).",
     "slot": "the slot formula: position pos lives at slot table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE, "
             "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A NaN slot was read.",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
@@ -40,38 +38,27 @@ HINTS = {
            "alpha = exp(m - m_new) is 0; multiply by it, never divide (l * alpha, acc * alpha[:, None]).",
     "gqa": "which KV head a query head reads: program (b, g, s) serves the query heads g * GROUP .. g * GROUP + "
            "GROUP - 1, and all of them read KV head g (k_cache[slot, g, :]).",
-    "weights": "the weights of one query must sum to 1: l sums exp(score - m_new) over exactly the positions acc "
-               "weighs (a position that ok masks has score -inf), both rescaled alike by alpha, and the output is "
-               "acc / l (with V = 1 everywhere it is 1).",
-    "split": "a split's log-sum-exp: it is right with one split and wrong with several. Each split covers its own "
-             "positions start .. end - 1 and leaves m and l such that m + log(l) is the log of its sum of exp(score).",
-    "range": "each position once: the tile's positions are n + tl.arange(0, BLOCK_N), n from the split's start "
-             "(with all scores equal the output must be the mean of V over the context, and it is not).",
+    "weights": "the weights of one query sum to 1: l sums exp(score - m_new) over the positions acc weighs (one "
+               "that ok masks has score -inf), both rescaled alike by alpha (with V = 1 the output is 1).",
+    "split": "a split's log-sum-exp: right with one split, wrong with several. A split covers positions start .. "
+             "end - 1 and ends with m + log(l) = the log of its sum of exp(score).",
+    "range": "each position once: the tile's positions are n + tl.arange(0, BLOCK_N) (with all scores equal the "
+             "output must be the mean of V over the context).",
     "rescale": "the running sum and the accumulator were not rescaled by exp(m_old - m_new) when the max grew: "
                "right for a context of one tile, wrong for longer ones.",
-    "score": "scores are q . k * scale (tl.dot(q, tl.trans(k)) * scale) and weights p = exp(score - m_new[:, None]), "
-             "m_new the running max including this tile.",
+    "score": "scores are tl.dot(q, tl.trans(k)) * scale and weights p = exp(score - m_new[:, None]), m_new the "
+             "running max including this tile.",
 }
 
 
 def unmet() -> str | None:
     """Why the suite cannot run here (Triton does not import, or cannot launch on this device), or None."""
-    from kvlearn.kernels import triton_import_error
-
-    why = triton_import_error()
-    if why is not None:
-        return f"the kernel is Triton code, and triton does not import here ({why}): Triton ships wheels for Linux."
-    from kvlearn.kernels.common import check_launch
+    from kvlearn.kernels import resolve_attention_backend
 
     try:
-        check_launch(_device())
+        resolve_attention_backend("triton", DEVICE)
     except ValueError as error:
         return str(error)
-    return None
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
@@ -79,48 +66,42 @@ def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
              "dtype": rng.choice([torch.float32, torch.float32, torch.bfloat16]), "page_size": rng.choice([1, 16]),
              "splits": rng.choice([1, 2, 3]), "lens": [rng.choice(CONTEXTS) for _ in range(rng.randint(1, 4))],
              "scale": rng.choice([1.0, 2.0]), "seed": rng.randrange(1 << 16)}
-    return setup, [("step", setup["seed"])]   # one launch: nothing to shrink
+    return setup, [("step", setup["seed"])]   # one launch: nothing to shrink (the hint reruns it enough)
 
 
 def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
+    from kvlearn.kernels.decode import paged_decode_attention   # here: importing kvlearn.parts imports no triton
     ps, kv_heads, dim, dtype, lens = (setup[k] for k in ("page_size", "kv_heads", "head_dim", "dtype", "lens"))
     gen, heads = torch.Generator().manual_seed(setup["seed"]), kv_heads * setup["group"]
     needed = [-(-n // ps) for n in lens]
-    pages = torch.randperm(2 * sum(needed) + 5, generator=gen).tolist()   # shuffled: past page, sequences', unreached
-    past_page, unreached = pages[0], pages[1 + sum(needed):]
-    width = -(-(max(lens) + 64) // ps)   # a whole tile past kv_len stays in the row
-    table = torch.full((len(lens) + 2, width), unreached[0])   # rows 0 and B + 1: padding, NaN pages
-    table[1:-1] = past_page
-    for b, n in enumerate(needed):
-        table[b + 1, :n] = torch.tensor(pages[1 + sum(needed[:b]):1 + sum(needed[:b + 1])])
+    pages = torch.randperm(2 * sum(needed) + 5, generator=gen)   # shuffled: the past page, sequences', unreached
+    table = torch.full((len(lens) + 2, -(-(max(lens) + 64) // ps)), int(pages[-1]))   # rows 0, B + 1: padding
+    table[1:-1] = pages[0]   # a whole tile past kv_len stays in the row, on the past page
+    for b, own in enumerate(pages[1:1 + sum(needed)].split(needed)):
+        table[b + 1, :len(own)] = own
     table = table[1:-1]
     contexts = [[int(table[b, p // ps]) * ps + p % ps for p in range(n)] for b, n in enumerate(lens)]
-    shape = (len(pages) * ps, kv_heads, dim)
-    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    past = torch.zeros(shape[0], dtype=torch.bool)
-    past[past_page * ps:(past_page + 1) * ps] = True
+    k, v = (torch.randn(len(pages), ps, kv_heads, dim, generator=gen) for _ in "kv")
+    k[pages[1 + sum(needed):]] = v[pages[1 + sum(needed):]] = float("nan")
+    past = torch.zeros(len(pages), ps, dtype=torch.bool)
+    past[pages[0]] = True
     for b, n in enumerate(lens):
-        past[contexts[b][-1] + 1:(table[b, needed[b] - 1] + 1) * ps] = True   # the rest of the last page
-    for page in unreached:
-        k[page * ps:(page + 1) * ps] = v[page * ps:(page + 1) * ps] = float("nan")
+        past[table[b, needed[b] - 1], (n - 1) % ps + 1:] = True   # the rest of the last page
     k[past], v[past] = 0.0, 1e6
-    device = _device()
-    k, v, table = k.to(device, dtype), v.to(device, dtype), table.to(device)
-    query = torch.randn(len(lens), heads, dim, generator=gen).to(device, dtype)
-    kv_lens, scale = torch.tensor(lens, device=device), setup["scale"] * dim ** -0.5
-    trace.note(f"# {shape[0] // ps} pages of {ps} slot(s) in shuffled order, {str(dtype)[6:]}; {kv_heads} KV "
-               f"head(s) of head_dim {dim}, {heads} query heads; slots no table reaches hold NaN, those past "
-               "kv_len K 0 and V 1e6")
-    trace.note(f"kv_lens = {lens}; table = the pages of each sequence (table[b, :{needed}[b]]), then the past page")
-
-    one = torch.full((len(lens), max(lens) + 64), past_page * ps, device=device)   # the same slots, pages of 1
+    (k, v), past, shape = (x.flatten(0, 1) for x in (k, v)), past.flatten(), (len(pages) * ps, kv_heads, dim)
+    k, v, table = k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
+    query = torch.randn(len(lens), heads, dim, generator=gen).to(DEVICE, dtype)
+    kv_lens, scale = torch.tensor(lens, device=DEVICE), setup["scale"] * dim ** -0.5
+    trace.note(f"# {shape[0] // ps} shuffled pages of {ps} slot(s), {str(dtype)[6:]}, {kv_heads} KV head(s), head_dim "
+               f"{dim}, {heads} query heads; NaN where no table reaches, K 0 and V 1e6 at or past kv_len {lens}")
+    one = torch.full((len(lens), max(lens) + 64), int(pages[0]) * ps, device=DEVICE)   # the same slots, pages of 1
     for b, c in enumerate(contexts):
         one[b, :len(c)] = torch.tensor(c)
 
     def launch(kk=k, vv=v, lengths=kv_lens, splits=setup["splits"], layout=(table, ps), quiet=True):
         line = (f"out = paged_decode_attention(query, k_cache, v_cache, table, kv_lens={lengths.tolist()}, "
                 f"scale={scale:.4g}, page_size={layout[1]}, num_splits={splits}, stage1={getattr(impl, '__name__', impl)})")
-        return trace.call(line, paged_decode_attention(), query, kk, vv, layout[0], lengths, scale, layout[1], splits,
+        return trace.call(line, paged_decode_attention, query, kk, vv, layout[0], lengths, scale, layout[1], splits,
                           stage1=impl, quiet=quiet).double().cpu()
 
     def right(out, kk=k, vv=v, lengths=lens) -> bool:
@@ -134,16 +115,17 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     want = attention_reference(query.cpu(), k.cpu(), v.cpu(), [1] * len(lens), contexts, scale)
     b, h = (int(x) for x in (~torch.isclose(got, want, *TOLERANCE[dtype])).any(-1).nonzero()[0])
     raise Broken(f"out[{b}, {h}] (sequence {b}, kv_len {lens[b]}, query head {h}; first numbers): expected "
-                 f"{_short(want[b, h])}, got {_short(got[b, h])}",
+                 f"{[round(x, 4) for x in want[b, h, :3].tolist()]}, got {[round(x, 4) for x in got[b, h, :3].tolist()]}",
                  HINTS[_diagnose(got, partial(launch, layout=(one, 1)), right, setup, k, v, past, contexts)])
 
 
 def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
-    """The rule a wrong output breaks, from the kernel's outputs on changed inputs (see the module);
-    `launch` runs it with pages of one slot (a read outside that is right then: the page arithmetic)."""
-    if not got.isfinite().all() or (got.abs() > 1e4).any():
-        if setup["page_size"] > 1 and right(got := launch()):
-            return "slot"
+    """The rule a wrong output breaks, from the kernel's outputs on changed inputs, with pages of one slot
+    (`launch`): right then: the page arithmetic; NaN that goes once the NaN slots hold 0 was read there; huge
+    values that go once the past slots hold 0 were weighed past kv_len; with V = its KV head's number + 1,
+    each head's output is that number; then one split, all scores equal (K = 0), only the first tile."""
+    if setup["page_size"] > 1 and right(got := launch()):
+        return "slot"
     nan, huge = got.isnan().any(), (got.abs() > 1e4).any()
     if nan and not launch(kk=k.nan_to_num(0.0), vv=v.nan_to_num(0.0)).isnan().any():
         return "slot"
@@ -165,14 +147,3 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
         return "range"
     first = [min(n, 64) for n in setup["lens"]]
     return "rescale" if right(launch(lengths=torch.tensor(first, device=k.device), splits=1), lengths=first) else "score"
-
-
-def paged_decode_attention():
-    """The launcher (imported when first run: importing kvlearn.parts never imports triton)."""
-    from kvlearn.kernels.decode import paged_decode_attention as launcher
-
-    return launcher
-
-
-def _short(values: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{x:.4f}" for x in values[:3].tolist()) + ", ...]"
