@@ -102,3 +102,17 @@ def test_a_copy_of_the_worked_kernel_serves_hf_tokens_and_a_nan_stops_the_engine
                     parts={"decode_kernel": broken})
     with pytest.raises(PartError, match=r"parts\['decode_kernel'\] \(decode_kernel\).*(NaN|inf) in its output"):
         engine.generate(prompts[:1], max_new_tokens=2)
+
+
+@triton_missing
+@pytest.mark.slow
+def test_chapter_9_gathers_a_saved_kernel_and_serves_it_only_with_the_triton_backend(tmp_path, capsys):
+    from kvlearn.exercises.parts import gather, gather_parts, parts_for, save_part
+    from tests.kernel_variants import kernel_source
+
+    folder = tmp_path / "my_parts"
+    assert "decode_kernel" not in [r.name for r in gather_parts(folder)]   # not saved: not offered
+    save_part("decode_kernel", kernel_source().replace("def decode_kernel(", "def my_decode_kernel("), folder)
+    parts = gather(folder)
+    assert "decode_kernel  5        yours" in capsys.readouterr().out
+    assert parts_for("radix", parts) == {} and list(parts_for("radix", parts, "triton")) == ["decode_kernel"]
