@@ -32,8 +32,9 @@ HINTS = {
             "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A NaN slot was read.",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
             "masks its loads and sets its scores to -inf (tl.where(ok[None, :], score, float('-inf'))).",
-    "nan": "NaN or inf from the online softmax's arithmetic, not from a read: m starts at -inf, so the first tile's "
-           "alpha = exp(m - m_new) is 0; multiply by it, never divide (l * alpha, acc * alpha[:, None]).",
+    "nan": "NaN or inf from arithmetic, not from a read (NaN everywhere: is the tile loop written? each tile adds "
+           "to l and acc). m starts at -inf, so the first tile's alpha = exp(m - m_new) is 0: multiply by it, never "
+           "divide (l * alpha, acc * alpha[:, None]).",
     "gqa": "which KV head a query head reads: program (b, g, s) serves the query heads g * GROUP .. g * GROUP + "
            "GROUP - 1, and all of them read KV head g (k_cache[slot, g, :]).",
     "weights": "the weights of one query sum to 1: l sums exp(score - m_new) over the positions acc weighs (one "
@@ -89,7 +90,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     (k, v), past, shape = (x.flatten(0, 1) for x in (k, v)), past.flatten(), (len(pages) * ps, kv_heads, dim)
     k, v, table = k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
     query = torch.randn(len(lens), heads, dim, generator=gen).to(DEVICE, dtype)
-    kv_lens, scale = torch.tensor(lens, device=DEVICE), setup["scale"] * dim ** -0.5
+    kv_lens, scale, name = torch.tensor(lens, device=DEVICE), setup["scale"] / dim**0.5, getattr(impl, "__name__", "?")
     trace.note(f"# {shape[0] // ps} shuffled pages of {ps} slot(s), {str(dtype)[6:]}, {kv_heads} KV head(s), head_dim "
                f"{dim}, {heads} query heads; NaN where no table reaches, K 0 and V 1e6 at or past kv_len {lens}")
     one = torch.full((len(lens), max(lens) + 64), int(pages[0]) * ps, device=DEVICE)   # the same slots, pages of 1
@@ -98,7 +99,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
 
     def launch(kk=k, vv=v, lengths=kv_lens, splits=setup["splits"], layout=(table, ps), quiet=True, fill=torch.nan):
         line = (f"out = paged_decode_attention(query, k_cache, v_cache, table, kv_lens={lengths.tolist()}, "
-                f"scale={scale:.4g}, page_size={layout[1]}, num_splits={splits}, stage1={getattr(impl, '__name__', impl)})")
+                f"scale={scale:.4g}, page_size={layout[1]}, num_splits={splits}, stage1={name})")
         # The caches lie inside NaN (`fill`) slots: a wrong slot a little outside the pool reads them, not memory.
         kk, vv = (torch.cat([x.new_full((300, *x.shape[1:]), fill), x, x.new_full((300 + len(x), *x.shape[1:]), fill)])
                   [300:300 + len(x)] for x in (kk, vv))
@@ -116,7 +117,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     want = attention_reference(query.cpu(), k.cpu(), v.cpu(), [1] * len(lens), contexts, scale)
     b, h = (int(x) for x in (~torch.isclose(got, want, *TOLERANCE[dtype])).any(-1).nonzero()[0])
     raise Broken(f"out[{b}, {h}] (sequence {b}, kv_len {lens[b]}, query head {h}; first numbers): expected "
-                 f"{[round(x, 4) for x in want[b, h, :3].tolist()]}, got {[round(x, 4) for x in got[b, h, :3].tolist()]}",
+                 f"{want[b, h, :3].round(decimals=4).tolist()}, got {got[b, h, :3].round(decimals=4).tolist()}",
                  HINTS[_diagnose(got, partial(launch, layout=(one, 1)), right, setup, k, v, past, contexts)])
 
 
@@ -134,9 +135,8 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
         return "past"
     if nan or huge or not got.isfinite().all():
         return "nan"
-    number = v.clone()
-    slots = torch.tensor([s for c in contexts for s in c], device=v.device)
-    number[slots] = (torch.arange(v.shape[1], device=v.device) + 1.0)[None, :, None].to(v.dtype)
+    number, slots = v.clone(), torch.tensor([s for c in contexts for s in c], device=DEVICE)
+    number[slots] = (torch.arange(v.shape[1], device=DEVICE) + 1.0)[None, :, None].to(v.dtype)
     by_head = launch(vv=number, splits=1)
     expected = (torch.arange(by_head.shape[1]) // setup["group"] + 1.0)[None, :, None].expand_as(by_head).double()
     if not torch.allclose(by_head, expected, rtol=1e-3):
@@ -146,5 +146,5 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
         return "split"
     if not right(launch(kk=torch.zeros_like(k), splits=1), kk=torch.zeros_like(k)):
         return "range"
-    first = [min(n, 64) for n in setup["lens"]]
-    return "rescale" if right(launch(lengths=torch.tensor(first, device=k.device), splits=1), lengths=first) else "score"
+    first = [min(n, 64) for n in setup["lens"]]   # one tile each
+    return "rescale" if right(launch(lengths=torch.tensor(first, device=DEVICE), splits=1), lengths=first) else "score"
