@@ -54,7 +54,8 @@ def test_programs_of_seed_0_cover_the_cases_the_suite_promises():
         seen["lens"] |= set(p["lens"])
         seen["empty split"] |= {n < p["splits"] for n in p["lens"]}
         seen["tiles in a split"] |= {-(-n // p["splits"]) > 64 for n in p["lens"]}
-    assert seen["group"] == {1, 3, 4} and seen["head_dim"] == {64, 128} and seen["page_size"] == {1, 16}
+    assert seen["group"] == {1, 3, 4} and seen["head_dim"] == {64, 80, 128} and seen["page_size"] == {1, 6, 16}
+    assert seen["kv_heads"] == {1, 2, 3}
     assert len(seen["dtype"]) == 2 and seen["splits"] == {1, 2, 3} and seen["batch"] == {1, 2, 3, 4}
     assert {1, 63, 64, 65} <= seen["lens"] and seen["empty split"] == seen["tiles in a split"] == {True, False}
 

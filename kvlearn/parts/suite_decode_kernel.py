@@ -2,8 +2,8 @@
 interpreter by `paged_decode_attention(..., stage1=kernel)`, judged by attention one query at a time.
 
 A program is one decode step: 1-4 sequences at the tile edges (1, 63, 64, 65 positions) or of a few
-tiles, in 1-3 splits (some empty), GQA groups 1, 3 or 4 over 1-2 KV heads, head_dim 64 or 128, a
-float32 or bfloat16 pool of shuffled pages of 1 or 16 slots, poisoned: slots no table reaches hold
+tiles, in 1-3 splits (some empty), GQA groups 1, 3 or 4 over 1-3 KV heads, head_dim 64, 80 or 128, a
+float32 or bfloat16 pool of shuffled pages of 1, 6 or 16 slots, poisoned: slots no table reaches hold
 NaN, slots a table reaches at or past kv_len K 0 and V 1e6. A wrong output's hint comes from the
 kernel run again on changed inputs (`_diagnose`), never from wrong variants of the reference.
 """
@@ -41,8 +41,8 @@ HINTS = {
                "that ok masks has score -inf), both rescaled alike by alpha (with V = 1 the output is 1).",
     "split": "a split's log-sum-exp: right with one split, wrong with several. A split covers positions start .. "
              "end - 1 and ends with m + log(l) = the log of its sum of exp(score).",
-    "range": "each position once: the tile's positions are n + tl.arange(0, BLOCK_N) (with all scores equal the "
-             "output must be the mean of V over the context).",
+    "range": "each position once, from its own row: the tile's positions are n + tl.arange(0, BLOCK_N), their K and V "
+             "at slot[:, None] * stride_cs + g * stride_ch + d[None, :] (with equal scores the output is V's mean).",
     "rescale": "the running sum and the accumulator were not rescaled by exp(m_old - m_new) when the max grew: "
                "right for a context of one tile, wrong for longer ones.",
     "score": "scores are tl.dot(q, tl.trans(k)) * scale and weights p = exp(score - m_new[:, None]), m_new the "
@@ -61,8 +61,8 @@ def unmet() -> str | None:
 
 
 def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
-    setup = {"group": rng.choice([1, 3, 4]), "kv_heads": rng.choice([1, 2]), "head_dim": rng.choice([64, 128]),
-             "dtype": rng.choice([torch.float32, torch.float32, torch.bfloat16]), "page_size": rng.choice([1, 16]),
+    setup = {"group": rng.choice([1, 3, 4]), "kv_heads": rng.choice([1, 2, 3]), "head_dim": rng.choice([64, 80, 128]),
+             "dtype": rng.choice([torch.float32, torch.float32, torch.bfloat16]), "page_size": rng.choice([1, 6, 16]),
              "splits": rng.choice([1, 2, 3]), "lens": [rng.choice(CONTEXTS) for _ in range(rng.randint(1, 4))],
              "scale": rng.choice([1.0, 2.0]), "seed": rng.randrange(1 << 16)}
     return setup, [("step", setup["seed"])]   # one launch: nothing to shrink (the hint reruns it enough)
