@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import kvlearn.kernels
 from kvlearn import Engine, EngineConfig
@@ -90,19 +91,30 @@ def test_a_function_is_not_a_kernel():
 
 @triton_missing
 @pytest.mark.slow
-def test_a_copy_of_the_worked_kernel_serves_hf_tokens_and_a_nan_stops_the_engine(model, tokenizer, tmp_path):
-    # Short plain-text prompts (token ids): the prefill runs in the interpreter too, and only decode
-    # steps run the part.
+def test_a_copy_of_the_worked_kernel_serves_hf_tokens(model, tokenizer, tmp_path):
+    # Short plain-text prompts (token ids), 2 new tokens: the prefill runs in the interpreter too, and
+    # the second token comes from a decode step, which runs the part in every layer.
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("One, two, three,")]
     engine = Engine(model, tokenizer, cache="radix", num_slots=64, attention_backend="triton",
                     parts={"decode_kernel": kernel_copy(tmp_path)})
-    for out in engine.generate(prompts, max_new_tokens=3):
-        assert out.token_ids == hf_greedy(model, out.prompt_token_ids, 3)
+    assert engine.attention_backend == "triton"
+    for out in engine.generate(prompts, max_new_tokens=2):
+        assert out.token_ids == hf_greedy(model, out.prompt_token_ids, 2)
+
+
+@triton_missing
+def test_a_kernel_whose_output_is_not_finite_raises_a_part_error(tmp_path):
+    from kvlearn.attention import AttentionMetadata
+    from kvlearn.parts.guard import GUARDS
+    from kvlearn.pool import KVPool
+
     broken = kernel_copy(tmp_path, "acc / tl.where(l > 0, l, 1.0)[:, None]", "acc / 0.0")
-    engine = Engine(model, tokenizer, cache="none", num_slots=64, attention_backend="triton",
-                    parts={"decode_kernel": broken})
+    attention = GUARDS["decode_kernel"](broken)
+    pool = KVPool(1, 1, 16, 32, device="cpu")
+    md = AttentionMetadata.build([1], [torch.arange(5)], device="cpu")   # a decode step: one new token
+    query, key = torch.randn(1, 3, 16), torch.randn(1, 1, 16)
     with pytest.raises(PartError, match=r"parts\['decode_kernel'\] \(decode_kernel\).*(NaN|inf) in its output"):
-        engine.generate(prompts[:1], max_new_tokens=2)
+        attention(query, key, key, 0, pool, md)
 
 
 @triton_missing
