@@ -1,6 +1,7 @@
 """Parts: the learner's code inside the engine.
 
-A part is a class (for "attention", a function) with the contract of the package's own, built with
+A part is a class (for "attention", a function; for "decode_kernel", a Triton kernel: chapter 5's
+exercise 3, served with `attention_backend="triton"`) with the contract of the package's own, built with
 the same arguments; the table at the end lists them (from the registry of parts,
 kvlearn.serving.part_registry). `check("radix_cache", MyRadixCache)` runs the part's conformance
 suite and returns a `CheckReport` (`.passed`, `.message`); `Engine(model, tok, cache="radix",
