@@ -4,7 +4,7 @@ interpreter by `paged_decode_attention(..., stage1=kernel)`, judged by attention
 A program is one decode step: 1-4 sequences at the tile edges (1, 63, 64, 65 positions) or of a few
 tiles, in 1-3 splits (some empty), GQA groups 1, 3 or 4 over 1-3 KV heads, head_dim 64, 80 or 128, a
 float32 or bfloat16 pool of shuffled pages of 1, 6 or 16 slots, poisoned: slots no table reaches hold
-NaN, slots a table reaches at or past kv_len K 0 and V 1e6. A wrong output's hint comes from the
+NaN, slots a table reaches at or past kv_len K 0 and V 1e8. A wrong output's hint comes from the
 kernel run again on changed inputs (`_diagnose`), never from wrong variants of the reference.
 """
 
@@ -32,9 +32,9 @@ HINTS = {
             "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A NaN slot was read.",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
             "masks its loads and sets its scores to -inf (tl.where(ok[None, :], score, float('-inf'))).",
-    "nan": "NaN or inf from arithmetic, not from a read (NaN everywhere: is the tile loop written? each tile adds "
-           "to l and acc). m starts at -inf, so the first tile's alpha = exp(m - m_new) is 0: multiply by it, never "
-           "divide (l * alpha, acc * alpha[:, None]).",
+    "nan": "NaN, inf or huge values from arithmetic, not a read (NaN everywhere: is the tile loop written? each tile "
+           "adds to l and acc). m starts at -inf, so the first tile's alpha = exp(m - m_new) is 0: multiply by it, "
+           "never divide (l * alpha, acc * alpha[:, None]).",
     "gqa": "which KV head a query head reads: program (b, g, s) serves the query heads g * GROUP .. g * GROUP + "
            "GROUP - 1, and all of them read KV head g (k_cache[slot, g, :]).",
     "weights": "the weights of one query sum to 1: l sums exp(score - m_new) over the positions acc weighs (one "
@@ -86,13 +86,13 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     past[pages[0]] = True
     for b, n in enumerate(lens):
         past[table[b, needed[b] - 1], (n - 1) % ps + 1:] = True   # the rest of the last page
-    k[past], v[past] = 0.0, 1e6
+    k[past], v[past] = 0.0, 1e8
     (k, v), past, shape = (x.flatten(0, 1) for x in (k, v)), past.flatten(), (len(pages) * ps, kv_heads, dim)
     k, v, table = k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE)
     query = torch.randn(len(lens), heads, dim, generator=gen).to(DEVICE, dtype)
     kv_lens, scale, name = torch.tensor(lens, device=DEVICE), setup["scale"] / dim**0.5, getattr(impl, "__name__", "?")
     trace.note(f"# {shape[0] // ps} shuffled pages of {ps} slot(s), {str(dtype)[6:]}, {kv_heads} KV head(s), head_dim "
-               f"{dim}, {heads} query heads; NaN where no table reaches, K 0 and V 1e6 at or past kv_len {lens}")
+               f"{dim}, {heads} query heads; NaN where no table reaches, K 0 and V 1e8 at or past kv_len {lens}")
     one = torch.full((len(lens), max(lens) + 64), int(pages[0]) * ps, device=DEVICE)   # the same slots, pages of 1
     for b, c in enumerate(contexts):
         one[b, :len(c)] = torch.tensor(c)
@@ -128,10 +128,10 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
     each head's output is that number; then one split, all scores equal (K = 0), only the first tile."""
     if setup["page_size"] > 1 and right(got := launch()):
         return "slot"
-    nan, huge = got.isnan().any(), (got.abs() > 1e4).any()
+    nan, huge = got.isnan().any(), (got.abs() > 100).any()
     if nan and not launch(kk=k.nan_to_num(0.0), vv=v.nan_to_num(0.0), fill=0.0).isnan().any():
         return "slot"
-    if huge and not (launch(vv=v.masked_fill(past[:, None, None].to(v.device), 0.0)).abs() > 1e4).any():
+    if huge and not (launch(vv=v.masked_fill(past[:, None, None].to(v.device), 0.0)).abs() > 100).any():
         return "past"
     if nan or huge or not got.isfinite().all():
         return "nan"
