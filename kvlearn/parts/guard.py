@@ -120,13 +120,10 @@ class AllocatorGuard(Guard):
         self.held[pages] = False
 
 
-def guard_attention(fn, name: str = "attention", part=None):
+def guard_attention(fn, name: str = "attention", label: str | None = None):
     """A learner's attention function with its output checked in every layer: [T, heads, head_dim]
-    like the query, the query's dtype and device, no NaN. `part`: the learner's part that `fn` runs
-    (for "decode_kernel", the kernel inside the Triton attention), named in a `PartError`."""
-    part = fn if part is None else part
-    label = part if isinstance(part, str) else getattr(part, "__qualname__", None) or getattr(part, "__name__", None)
-    label = label or type(part).__name__
+    like the query, the query's dtype and device, finite; a `PartError` names part `name` (`label`)."""
+    label = label or getattr(fn, "__qualname__", type(fn).__name__)
 
     def guarded(query, key, value, layer, kv_pool, md, scale=None):
         out = fn(query, key, value, layer, kv_pool, md, scale)
@@ -145,17 +142,16 @@ def guard_attention(fn, name: str = "attention", part=None):
 
 
 def guard_decode_kernel(kernel):
-    """The Triton attention (`kvlearn.kernels.backend`) with a learner's stage-1 decode kernel in every
-    decode step, its output checked as a learner's attention's; TypeError for what is no such kernel."""
-    from kvlearn.kernels import resolve_attention_backend
+    """The Triton attention with a learner's stage-1 kernel in every decode step, checked as a learner's
+    attention; ValueError where Triton cannot run, TypeError for what is not such a kernel."""
+    from kvlearn.kernels import DECODE_KERNEL, resolve_attention_backend
 
     resolve_attention_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")   # ValueError: what to do
     from kvlearn.kernels.backend import triton_paged_attention
     from kvlearn.kernels.common import check_kernel
-    from kvlearn.kernels.decode import decode_kernel
 
-    kernel = check_kernel("parts['decode_kernel']", kernel, like=decode_kernel)
-    return guard_attention(partial(triton_paged_attention, stage1=kernel), "decode_kernel", kernel)
+    kernel = check_kernel("parts['decode_kernel']", kernel, like=DECODE_KERNEL.kernel)
+    return guard_attention(partial(triton_paged_attention, stage1=kernel), "decode_kernel", kernel.__name__)
 
 
 class RadixGuard(Guard):
