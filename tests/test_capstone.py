@@ -56,8 +56,8 @@ def test_gather_says_what_is_yours_missing_or_failing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert parts == {"allocator": sys.modules["my_parts.allocator"].MyAllocator}
     rows = {r.name: r for r in gather_parts(folder)}
-    assert list(rows) == list(BUILD) == ["block_table", "block_manager", "radix_cache", "allocator",
-                                         "attention", "scheduler"]
+    assert list(rows) == [name for name in BUILD if name != "decode_kernel"] == [
+        "block_table", "block_manager", "radix_cache", "allocator", "attention", "scheduler"]   # no kernel saved
     assert {name: r.verdict for name, r in rows.items()} == {
         "block_table": "missing", "block_manager": "fails check", "radix_cache": "fails check",
         "allocator": "yours", "attention": "fails check", "scheduler": "fails check"}
@@ -148,7 +148,7 @@ def test_the_student_capstone_serves_the_model(tmp_path, parts):
     assert {name for name, verdict in verdicts.items() if verdict != "missing"} == written
     assert all(verdicts[name] == "yours" for name in written), verdicts
     passing = sum(v == "yours" for v in verdicts.values())
-    assert f"{passing} of 6 parts pass" in shown
+    assert f"{passing} of {len(verdicts)} parts pass" in shown
     if written:
         assert "radix tree: your MyRadixCache | page allocator: your MyAllocator" in shown
         assert "block manager: your MyBlockManager | page allocator: your MyAllocator" in shown

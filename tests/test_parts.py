@@ -304,7 +304,7 @@ class WrongType(RadixCache):
 
 # --- check ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(PARTS))
+@pytest.mark.parametrize("name", sorted(set(PARTS) - {"decode_kernel"}))   # the kernel: test_parts_decode_kernel.py
 def test_the_package_parts_pass(name):
     report = check(name, PARTS[name])
     assert report.passed, report.message

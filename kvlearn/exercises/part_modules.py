@@ -125,10 +125,16 @@ def import_failure(path: Path, error: BaseException) -> str:
     return f"importing {path.name} raised {type(error).__name__}{': ' + said if said else ''}{where}"
 
 
+def defined(impl):
+    """What a module defined to make `impl`: a Triton kernel's function (`@triton.jit` wraps it), else `impl`."""
+    return impl.fn if type(impl).__module__.startswith("triton.") and callable(getattr(impl, "fn", None)) else impl
+
+
 def not_its_own(impl, module, attribute: str, path: Path) -> str | None:
     """Why `impl` (the module's `attribute`) is not a class or function the module defines, or None."""
     if impl is None:
         return f"{path.name} defines no {attribute}"
+    impl = defined(impl)
     owner = getattr(impl, "__module__", None)
     if owner != module.__name__:
         what = f"{owner}.{impl.__qualname__}" if owner and hasattr(impl, "__qualname__") else type(impl).__name__
@@ -374,7 +380,7 @@ def _check_job(job: dict, say) -> None:
         result(False, f"{path.name} changed {', '.join(changed[:3])}: a part may not change kvlearn or torch")
     if getattr(module, attribute, None) is not impl:
         result(False, f"{path.name} rebound {attribute} while it was checked: the part is the class it defines")
-    result(report.passed, report.message.splitlines()[0].removeprefix(NOT_YET).strip(), impl.__qualname__)
+    result(report.passed, report.message.splitlines()[0].removeprefix(NOT_YET).strip(), defined(impl).__qualname__)
 
 
 def _machinery() -> list[tuple[str, object, str, object]]:

@@ -141,7 +141,16 @@ def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIM
     part_modules.fresh_package(folder)
     with contextlib.chdir(folder.parent), part_modules.gather_verdicts():
         return [_gather_one(name, chapter, attribute, Path(folder.name), import_limit_s)
-                for name, (chapter, attribute) in BUILD.items()]
+                for name, (chapter, attribute) in BUILD.items() if _offered(name, Path(folder.name))]
+
+
+def _offered(name: str, folder: Path) -> bool:
+    """Every part is gathered, but chapter 5's decode kernel only once it is saved and Triton imports."""
+    if name != "decode_kernel":
+        return True
+    from kvlearn.kernels import triton_import_error
+
+    return part_path(name, folder).is_file() and triton_import_error() is None
 
 
 def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
@@ -169,17 +178,22 @@ def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) 
     package = [name for name in PART_MODES if name not in engine]
     if package:
         print(f"The engine uses the package's {', '.join(package)}.")
+    if "decode_kernel" in engine:
+        print("Your decode_kernel serves with attention_backend='triton' (slow in Triton's interpreter): "
+              "Engine(..., attention_backend='triton', parts=parts_for(cache, parts, 'triton')).")
     if any(r.verdict == "fails check" for r in rows):
         print("A part that fails: its chapter's check_part cell prints the whole report, with a smallest example.")
     return engine
 
 
-def parts_for(cache: str, parts: dict) -> dict:
-    """The parts among `parts` that an engine with this cache mode serves with (a radix engine has
-    no block manager, a blocks engine no radix tree)."""
+def parts_for(cache: str, parts: dict, attention_backend: str = "auto") -> dict:
+    """The parts among `parts` that an engine with this cache mode and attention backend serves with
+    (a radix engine has no block manager, a blocks engine no radix tree; the decode kernel serves
+    only with attention_backend="triton")."""
     from kvlearn.serving.config import PART_MODES
 
-    return {name: impl for name, impl in parts.items() if cache in PART_MODES[name]}
+    return {name: impl for name, impl in parts.items() if cache in PART_MODES[name]
+            and (name != "decode_kernel" or attention_backend == "triton")}
 
 
 def _gather_one(name: str, chapter: int, attribute: str, folder: Path, import_limit_s: float) -> Gathered:
@@ -219,6 +233,7 @@ def _gather_one(name: str, chapter: int, attribute: str, folder: Path, import_li
         return fails(part_modules.import_failure(path, error))
     impl = getattr(module, attribute, None)
     problem = part_modules.not_its_own(impl, module, attribute, path)
-    if problem is None and impl.__qualname__ != checked:
-        problem = f"{attribute} in {path.name} is {impl.__qualname__} here, but {checked} where it was checked"
+    if problem is None and part_modules.defined(impl).__qualname__ != checked:
+        problem = (f"{attribute} in {path.name} is {part_modules.defined(impl).__qualname__} here, but {checked} "
+                   "where it was checked")
     return fails(problem) if problem else Gathered(name, chapter, "yours", note, impl)

@@ -19,9 +19,13 @@ in `kvlearn.kernels.common`. Range checks read the tensors' values, a device syn
 there they run only after `kvlearn.kernels.common.check_ranges(True)` (gpu-check turns them on).
 
 This module imports no triton itself: `import kvlearn.kernels` works where triton is missing.
+`DECODE_KERNEL` names the worked stage-1 decode kernel (the registry's "decode_kernel" part) without
+importing it: `LazyKernel` imports its module when first used.
 """
 
 from __future__ import annotations
+
+from importlib import import_module
 
 import torch
 
@@ -67,3 +71,32 @@ def attention_function(backend: str):
     from kvlearn.kernels.backend import triton_paged_attention
 
     return triton_paged_attention
+
+
+class LazyKernel:
+    """A kernel of this package, imported (with triton) when first used: `.kernel` is it; indexing
+    (`lazy[grid]`) and its other attributes are the kernel's. Launchers take it as the kernel itself."""
+
+    def __init__(self, module: str, name: str):
+        self.__module__, self.__qualname__, self.__name__ = module, name, name
+
+    @property
+    def kernel(self):
+        return getattr(import_module(self.__module__), self.__name__)
+
+    def __getitem__(self, grid):
+        return self.kernel[grid]
+
+    def __call__(self, *args, **kwargs):
+        return self.kernel(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):   # asked without importing: it has none
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
+    def __repr__(self) -> str:
+        return f"<{self.__module__}.{self.__name__}, imported when first used>"
+
+
+DECODE_KERNEL = LazyKernel("kvlearn.kernels.decode", "decode_kernel")

@@ -36,6 +36,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from kvlearn.errors import check_bool, check_positive_int
+from kvlearn.kernels import LazyKernel
 
 # Whether this process's kernels run in Triton's interpreter: `triton.jit` decides when it wraps a
 # kernel, by TRITON_INTERPRET at that moment (the kernels of kvlearn.kernels are wrapped when their
@@ -92,7 +93,9 @@ def check_launch(device) -> None:
 
 def check_kernel(name: str, kernel, like):
     """Return `kernel` if it is a Triton kernel (`@triton.jit`) with `like`'s parameters, by name and
-    in order (the launcher passes them so); else TypeError."""
+    in order (the launcher passes them so); else TypeError. A `LazyKernel` is the kernel it names."""
+    if isinstance(kernel, LazyKernel):
+        kernel = kernel.kernel
     if not isinstance(kernel, (JITFunction, InterpretedFunction)):
         raise TypeError(f"{name} must be a Triton kernel (a function decorated with @triton.jit), got "
                         f"{type(kernel).__name__} {kernel!r}: put @triton.jit on the line above its def.")

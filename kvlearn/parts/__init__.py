@@ -1,6 +1,7 @@
 """Parts: the learner's code inside the engine.
 
-A part is a class (for "attention", a function) with the contract of the package's own, built with
+A part is a class (for "attention", a function; for "decode_kernel", a Triton kernel: chapter 5's
+exercise 3, served with `attention_backend="triton"`) with the contract of the package's own, built with
 the same arguments; the table at the end lists them (from the registry of parts,
 kvlearn.serving.part_registry). `check("radix_cache", MyRadixCache)` runs the part's conformance
 suite and returns a `CheckReport` (`.passed`, `.message`); `Engine(model, tok, cache="radix",
@@ -17,6 +18,7 @@ from kvlearn.parts.allocator import AllocatorBase, AllocatorPart
 from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import SUITES, CheckReport, check
+from kvlearn.parts.decode_kernel import DecodeKernelPart
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 
@@ -39,6 +41,6 @@ def _docs_table() -> str:
 if __doc__ is not None:   # python -OO drops docstrings
     __doc__ += _docs_table() + "\n"
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "BlockTablePart",
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart", "BlockTablePart",
            "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
            "SchedulerPart", "SchedulerBase"]

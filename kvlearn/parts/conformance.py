@@ -92,14 +92,19 @@ def _has(cls: type, member: str) -> bool:
     return True
 
 
-def check(name: str, impl, time_limit_s: float = 2.0, programs: int = 300, seed: int = 0) -> CheckReport:
+def check(name: str, impl, time_limit_s: float | None = None, programs: int | None = None,
+          seed: int = 0) -> CheckReport:
     """Run the conformance suite of part `name` (a key of `SUITES`: "block_table", "block_manager", ...)
     on `impl`, the part's class (built with the same arguments as the package's) or, for "attention",
     its function, over `programs` random programs drawn from `seed`; a call may take `time_limit_s`.
+    None: the suite's `PROGRAMS` and `TIME_LIMIT_S` if it has them, else 300 programs and 2 s.
     Never raises because of the part; ValueError or TypeError for an unknown `name`, `programs` < 1
     or not an int, a time limit that is not a finite number > 0."""
     if name not in SUITES:
         raise ValueError(f"Unknown part {name!r}: the parts are {', '.join(map(repr, SUITES))}.")
+    module = SUITES[name].module
+    time_limit_s = getattr(module, "TIME_LIMIT_S", 2.0) if time_limit_s is None else time_limit_s
+    programs = getattr(module, "PROGRAMS", 300) if programs is None else programs
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)):
         raise TypeError(f"time_limit_s must be a number of seconds, got {type(time_limit_s).__name__} {time_limit_s!r}.")
     if not math.isfinite(time_limit_s) or time_limit_s <= 0:
@@ -110,7 +115,9 @@ def check(name: str, impl, time_limit_s: float = 2.0, programs: int = 300, seed:
     if not callable(impl):
         return CheckReport(name, label, False, f"{head}\nGive the part's class (built like the package's; for "
                                                f"attention, the function), not {type(impl).__name__} {label}.")
-    missing = missing_members(suite.contract, impl)
+    missing, unmet = missing_members(suite.contract, impl), getattr(suite.module, "unmet", lambda: None)()
+    if unmet:   # what the suite itself needs here (Triton, for the kernel)
+        return CheckReport(name, label, False, f"{head}\nIt cannot be checked here: {unmet}")
     if missing:
         return CheckReport(name, label, False, f"Not yet: {label} lacks {', '.join(missing)}.\n{head}\nHint: write "
                            f"each member the contract lists (help(kvlearn.parts.{suite.contract.__name__})); a base "

@@ -117,23 +117,38 @@ class AllocatorGuard(Guard):
         self.held[pages] = False
 
 
-def guard_attention(fn):
+def guard_attention(fn, name: str = "attention", label: str | None = None):
     """A learner's attention function with its output checked in every layer: [T, heads, head_dim]
-    like the query, the query's dtype and device, no NaN."""
+    like the query, the query's dtype and device, finite; a `PartError` names part `name` (`label`)."""
+    label = label or getattr(fn, "__qualname__", type(fn).__name__)
 
     def guarded(query, key, value, layer, kv_pool, md, scale=None):
         out = fn(query, key, value, layer, kv_pool, md, scale)
         call = f"attention(layer {layer}, {query.shape[0]} tokens)"
         if not (isinstance(out, torch.Tensor) and out.shape == query.shape and out.dtype == query.dtype
                 and out.device == query.device):
-            raise PartError("attention", fn, call, shown(out), f"it returns [T, heads, head_dim] = "
+            raise PartError(name, label, call, shown(out), f"it returns [T, heads, head_dim] = "
                             f"{list(query.shape)} of {query.dtype} on {query.device}, like the query")
-        if torch.isnan(out).any():
-            raise PartError("attention", fn, call, "NaN in its output", "attention of finite inputs is finite")
+        if not torch.isfinite(out).all():
+            said = "NaN in its output" if torch.isnan(out).any() else "inf in its output"
+            raise PartError(name, label, call, said, "attention of finite inputs is finite")
         return out
 
-    guarded.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
+    guarded.__qualname__ = label
     return guarded
+
+
+def guard_decode_kernel(kernel):
+    """The Triton attention with a learner's stage-1 kernel in every decode step, checked as a learner's
+    attention; ValueError where Triton cannot run, TypeError for what is not such a kernel."""
+    from kvlearn.kernels import DECODE_KERNEL, resolve_attention_backend
+
+    resolve_attention_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")   # ValueError: what to do
+    from kvlearn.kernels.backend import triton_paged_attention
+    from kvlearn.kernels.common import check_kernel
+
+    kernel = check_kernel("parts['decode_kernel']", kernel, like=DECODE_KERNEL.kernel)
+    return guard_attention(partial(triton_paged_attention, stage1=kernel), "decode_kernel", kernel.__name__)
 
 
 class RadixGuard(Guard):
@@ -294,6 +309,7 @@ def checked(name: str, part):
 GUARDS = {
     "allocator": lambda part: partial(AllocatorGuard, checked("allocator", part)),
     "attention": lambda part: guard_attention(checked("attention", part)),
+    "decode_kernel": guard_decode_kernel,
     "radix_cache": lambda part: partial(GuardedRadixKV, checked("radix_cache", part)),
     "block_manager": lambda part: partial(GuardedBlockKV, checked("block_manager", part)),
     "scheduler": lambda part: checked("scheduler", part),

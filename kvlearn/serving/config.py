@@ -53,7 +53,8 @@ class EngineConfig:
                                          # it has its own attention, so with parts["attention"] the plain path runs)
     attention_backend: str = "auto"      # the plain path's attention (kvlearn.kernels): "torch" (chapter 5's), "triton"
                                          # (Triton kernels: on CUDA, or on a CPU under TRITON_INTERPRET=1), "auto"
-                                         # (triton on CUDA when it imports, else torch); as SGLang's --attention-backend
+                                         # (triton on CUDA when it imports, else torch); as SGLang's --attention-backend.
+                                         # parts["decode_kernel"] (a learner's stage-1 kernel) needs "triton"
 
     # --- tiers below the pool (chapter 8; "radix" only; with host_slots and disk_dir None there are none) ---
     host_slots: int | None = None        # tokens of KV a host pool holds
@@ -80,6 +81,9 @@ class EngineConfig:
             check_positive_int("disk_max_bytes", self.disk_max_bytes, " (bytes the disk tier may use)")
             if self.disk_dir is None:
                 raise ValueError("disk_max_bytes limits the disk tier: give disk_dir too (or leave it None).")
+        if "decode_kernel" in self.parts and self.attention_backend != "triton":
+            raise ValueError("parts['decode_kernel'] is a stage-1 kernel of the Triton attention: give "
+                             "attention_backend='triton' with it (on a CPU, under TRITON_INTERPRET=1).")
         if self.attention_backend == "triton" and (self.fast or "attention" in self.parts):
             raise ValueError("attention_backend='triton' serves in the model's own layers, but "
                              + ("fast=True computes attention its own way" if self.fast else

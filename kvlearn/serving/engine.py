@@ -99,7 +99,8 @@ class Engine:
         else:
             backend = c.attention_backend if c.kv_cache_dtype == "auto" else "torch"  # chapter 10: torch only
             self.attention_backend = resolve_attention_backend(backend, model.device)
-            attention = attention_function(self.attention_backend)
+            # A learner's stage-1 decode kernel serves inside the Triton attention (config: backend "triton").
+            attention = served(c.parts, "decode_kernel") or attention_function(self.attention_backend)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
                                   attention=attention)
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's

@@ -5,7 +5,7 @@ A part is what a chapter's build exercise writes and the engine can serve in pla
 (`kvlearn.serving.config.PART_MODES`), the conformance suites (`kvlearn.parts.SUITES`: each part's
 suite module `kvlearn.parts.suite_NAME` names its contract, the package's own part and what judges
 it), the package's parts (`kvlearn.parts.PARTS`, and the table in that package's docstring) and the
-build exercises (`kvlearn.exercises.parts.BUILD`). A seventh part is one line here, and its suite.
+build exercises (`kvlearn.exercises.parts.BUILD`). An eighth part is one line here, and its suite.
 
 `served(parts, name)` says what the engine serves as a part: the package's own as it is, a learner's
 only behind the guard kvlearn.parts registers for it (chapter 6's hooks, `kvlearn.serving.hooks`).
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvlearn.allocator import PageAllocator
 from kvlearn.attention import paged_attention
 from kvlearn.blocks import BlockManager
+from kvlearn.kernels import DECODE_KERNEL
 from kvlearn.radix import RadixCache
 from kvlearn.serving.cache_modes import CACHE_MODES
 from kvlearn.serving.hooks import part_guard
@@ -55,6 +56,8 @@ REGISTRY = (
     PartRecord("radix_cache", (3,), "MyRadixCache", ("radix",), RadixCache),
     PartRecord("allocator", (4,), "MyAllocator", CACHE_MODES, PageAllocator),
     PartRecord("attention", (5,), "my_paged_attention", CACHE_MODES, paged_attention),
+    # Stage 1 of the Triton decode kernel (chapter 5's GPU section); serves with attention_backend="triton".
+    PartRecord("decode_kernel", (5,), "my_decode_kernel", CACHE_MODES, DECODE_KERNEL),
     PartRecord("scheduler", (6,), "MyScheduler", CACHE_MODES, Scheduler),
 )
 RECORDS = {part.name: part for part in REGISTRY}
