@@ -25,6 +25,7 @@ importing it: `LazyKernel` imports its module when first used.
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import import_module
 
 import torch
@@ -71,6 +72,17 @@ def attention_function(backend: str):
     from kvlearn.kernels.backend import triton_paged_attention
 
     return triton_paged_attention
+
+
+def stage1_attention(kernel):
+    """The Triton attention with `kernel` (a learner's part) as the decode's stage 1; ValueError where
+    Triton cannot run here, TypeError for what is not a kernel with the worked kernel's parameters."""
+    resolve_attention_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")
+    from kvlearn.kernels.backend import triton_paged_attention
+    from kvlearn.kernels.common import check_kernel
+
+    return partial(triton_paged_attention, stage1=check_kernel("parts['decode_kernel']", kernel,
+                                                               like=DECODE_KERNEL.kernel))
 
 
 class LazyKernel:

@@ -41,6 +41,6 @@ def _docs_table() -> str:
 if __doc__ is not None:   # python -OO drops docstrings
     __doc__ += _docs_table() + "\n"
 
-__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart", "BlockTablePart",
-           "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
+__all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart",
+           "BlockTablePart", "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
            "SchedulerPart", "SchedulerBase"]

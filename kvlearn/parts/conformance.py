@@ -50,7 +50,8 @@ class Suite:
         return self.module.CONTRACT
 
 
-SUITES = {r.name: Suite(r, import_module(f"kvlearn.parts.suite_{r.name}")) for r in REGISTRY}   # in the registry's order
+# In the registry's order.
+SUITES = {r.name: Suite(r, import_module(f"kvlearn.parts.suite_{r.name}")) for r in REGISTRY}
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,13 @@ def check(name: str, impl, time_limit_s: float | None = None, programs: int | No
     time_limit_s = getattr(module, "TIME_LIMIT_S", 2.0) if time_limit_s is None else time_limit_s
     programs = getattr(module, "PROGRAMS", 300) if programs is None else programs
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)):
-        raise TypeError(f"time_limit_s must be a number of seconds, got {type(time_limit_s).__name__} {time_limit_s!r}.")
+        raise TypeError(f"time_limit_s must be a number of seconds, got {time_limit_s!r}.")
     if not math.isfinite(time_limit_s) or time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be a finite number of seconds > 0, got {time_limit_s!r}.")
     check_positive_int("programs", programs, " (random programs to run)")
     suite, label = SUITES[name], _label(impl)
-    head = f"{label} does not meet the {name} contract ({suite.record.taught}, kvlearn.parts.{suite.contract.__name__})."
+    contract = f"kvlearn.parts.{suite.contract.__name__}"
+    head = f"{label} does not meet the {name} contract ({suite.record.taught}, {contract})."
     if not callable(impl):
         return CheckReport(name, label, False, f"{head}\nGive the part's class (built like the package's; for "
                                                f"attention, the function), not {type(impl).__name__} {label}.")
@@ -132,8 +134,9 @@ def check(name: str, impl, time_limit_s: float | None = None, programs: int | No
                 ops, outcome = _shrink(suite, impl, setup, ops, outcome, time_limit_s)
             return CheckReport(name, label, False, _failure(head, suite, i, programs, outcome, time_limit_s),
                                i + 1, calls, seconds)
+    judge = getattr(suite.module, "JUDGE", "a brute-force reference")
     return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.record.taught}): {programs} "
-                       f"random programs, {calls} calls, each judged by {getattr(suite.module, 'JUDGE', 'a brute-force reference')}; its calls took "
+                       f"random programs, {calls} calls, each judged by {judge}.\nIts calls took "
                        f"{_seconds(seconds)} in all.", programs, calls, seconds)
 
 

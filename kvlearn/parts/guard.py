@@ -17,6 +17,7 @@ import torch
 
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, PartError
+from kvlearn.kernels import stage1_attention
 from kvlearn.parts.conformance import SUITES, missing_members
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import BlockKV, RadixKV
@@ -24,7 +25,7 @@ from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
 
 
 def shown(value, edge: int = 8) -> str:
-    """A short picture of a part's answer for an error message (a long list: its ends)."""
+    """A short picture of a part's answer (a long list: its ends)."""
     if isinstance(value, torch.Tensor):
         if value.dim() > 1 or value.is_floating_point():
             return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
@@ -138,19 +139,6 @@ def guard_attention(fn, name: str = "attention", label: str | None = None):
     return guarded
 
 
-def guard_decode_kernel(kernel):
-    """The Triton attention with a learner's stage-1 kernel in every decode step, checked as a learner's
-    attention; ValueError where Triton cannot run, TypeError for what is not such a kernel."""
-    from kvlearn.kernels import DECODE_KERNEL, resolve_attention_backend
-
-    resolve_attention_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")   # ValueError: what to do
-    from kvlearn.kernels.backend import triton_paged_attention
-    from kvlearn.kernels.common import check_kernel
-
-    kernel = check_kernel("parts['decode_kernel']", kernel, like=DECODE_KERNEL.kernel)
-    return guard_attention(partial(triton_paged_attention, stage1=kernel), "decode_kernel", kernel.__name__)
-
-
 class RadixGuard(Guard):
     """A learner's radix tree as `RadixKV` calls it. Ownership: `held[s]` while the tree holds slot s
     (given by `insert_prefix`, handed back through `evict_callback`); a match's slots are held."""
@@ -170,8 +158,8 @@ class RadixGuard(Guard):
         if len(indices) % self.page_size:
             self.fail(call, shown(indices), f"only whole pages of {self.page_size} tokens are matched")
         if not self.held[indices].all():
-            self.fail(call, shown(indices), f"a match's slots are the tree's: slot {int(indices[~self.held[indices]][0])} "
-                                            "was never inserted, or was evicted")
+            stray = int(indices[~self.held[indices]][0])
+            self.fail(call, shown(indices), f"a match's slots are the tree's: slot {stray} is not (evicted?)")
         return indices
 
     def match_prefix(self, key: list):
@@ -206,8 +194,7 @@ class RadixGuard(Guard):
         self.handed = 0
         freed = self.part.evict(num_tokens)
         if freed != self.handed:
-            self.fail(f"evict({num_tokens})", shown(freed), f"evict returns the tokens it handed to evict_callback "
-                                                             f"({self.handed})")
+            self.fail(f"evict({num_tokens})", shown(freed), f"it returns the tokens it evicted ({self.handed})")
         return freed
 
 
@@ -264,8 +251,6 @@ class BlockManagerGuard(Guard):
 class Guarded:
     """What the guarded cache modes share: their cache is a learner's part behind `guard`."""
 
-    guard: Guard
-
     @property
     def cache(self):
         return self.guard.part
@@ -291,8 +276,7 @@ class GuardedBlockKV(Guarded, BlockKV):
 
 
 def checked(name: str, part):
-    """`part` when it has every member its contract lists (`missing_members`), else TypeError naming
-    them; a function ("attention") is only called, so being callable (and no class) is its contract here."""
+    """`part` when it has every member of its contract (a function: when it is no class), else TypeError."""
     if name == "attention" and isinstance(part, type):
         raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
                         f"{part.__qualname__}.")
@@ -309,7 +293,7 @@ def checked(name: str, part):
 GUARDS = {
     "allocator": lambda part: partial(AllocatorGuard, checked("allocator", part)),
     "attention": lambda part: guard_attention(checked("attention", part)),
-    "decode_kernel": guard_decode_kernel,
+    "decode_kernel": lambda kernel: guard_attention(stage1_attention(kernel), "decode_kernel", kernel.__name__),
     "radix_cache": lambda part: partial(GuardedRadixKV, checked("radix_cache", part)),
     "block_manager": lambda part: partial(GuardedBlockKV, checked("block_manager", part)),
     "scheduler": lambda part: checked("scheduler", part),

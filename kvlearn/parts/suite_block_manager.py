@@ -165,7 +165,8 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
             if caching:
                 got = number("num_cached_prefix", trace.call(f"m.num_cached_prefix({name})", m.num_cached_prefix, s))
                 trace.answer(str(got))
-                rule = "collision" if ref.collided and got > len(hit) * bs else "duplicate" if ref.copied(tokens) else "hit"
+                rule = "collision" if ref.collided and got > len(hit) * bs else \
+                    "duplicate" if ref.copied(tokens) else "hit"
                 same(f"m.num_cached_prefix({name})", len(hit) * bs, got, hints[rule])
             got = trace.call(f"m.can_allocate({name})", m.can_allocate, s)
             trace.answer(str(got))
