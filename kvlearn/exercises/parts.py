@@ -158,20 +158,73 @@ def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
 
 
 def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> dict:
-    """Your parts for the engine: print the table of `gather_parts(folder, import_limit_s)` and return
-    {part name: your class or function} for the engine's parts that pass
-    (`kvlearn.serving.config.PART_MODES`); a part left out is the package's own (said)."""
+    """Your parts for the engine: print the table of `gather_parts(folder, import_limit_s)`, then
+    `serving_table` (whose part serves, and why), and return {part name: your class or function} for
+    the engine's parts that pass (`kvlearn.serving.config.PART_MODES`); a part left out is the
+    package's own."""
     from kvlearn.serving.config import PART_MODES
 
     rows = gather_parts(folder, import_limit_s)
     print(parts_table(rows))
     engine = {r.name: r.impl for r in rows if r.verdict == "yours" and r.name in PART_MODES}
-    package = [name for name in PART_MODES if name not in engine]
-    if package:
-        print(f"The engine uses the package's {', '.join(package)}.")
+    print(serving_table(rows, engine))
     if any(r.verdict == "fails check" for r in rows):
         print("A part that fails: its chapter's check_part cell prints the whole report, with a smallest example.")
     return engine
+
+
+def _inside(parts: dict, name: str):
+    """Your part `name` as it serves inside your block manager (a class of my_parts/NAME.py in
+    MyBlockManager's bases), or None. Only the block table serves that way."""
+    manager = parts.get("block_manager")
+    for cls in getattr(manager, "__mro__", ())[1:]:
+        package, _, module = cls.__module__.rpartition(".")
+        if module == name and package == manager.__module__.rpartition(".")[0]:
+            return cls
+    return None
+
+
+def serving(rows: list[Gathered], parts: dict) -> list[tuple[str, bool, str]]:
+    """(part, whether yours serves, where or why not), one per row of `gather_parts`, for engines
+    given `parts` (what `gather` returns). A part serves when the engine is given it, or, for the
+    block table, when your block manager builds on it: the engine never takes a block table alone."""
+    from kvlearn.serving.config import PART_MODES
+
+    said = []
+    for row in rows:
+        modes = PART_MODES.get(row.name, ())
+        engines = "both engines" if {"radix", "blocks"} <= set(modes) else f"the {' and '.join(modes)} engine"
+        if row.name in parts:
+            said.append((row.name, True, f"in {engines}"))
+        elif row.name not in PART_MODES and _inside(parts, row.name) is not None:
+            said.append((row.name, True, "inside your block_manager, in the blocks engine"))
+        elif row.verdict != "yours":
+            said.append((row.name, False, "yours is missing" if row.verdict == "missing" else "yours has not passed check yet"))
+        elif "block_manager" in parts:
+            said.append((row.name, False, f"your block_manager does not build on it: chapter 2's part starts with "
+                                          f"earlier_part({row.name!r}, {BUILD[row.name][1]!r})"))
+        else:
+            said.append((row.name, False, f"your {row.name} serves only inside a block manager: write chapter 2's "
+                                          "block_manager (it builds on yours) to use it"))
+    return said
+
+
+def serving_table(rows: list[Gathered], parts: dict) -> str:
+    """`serving(rows, parts)` as aligned text: which part serves, yours or the package's, and why."""
+    said = serving(rows, parts)
+    width = max(len(name) for name, _, _ in said)
+    whose = {True: "yours", False: "the package's"}
+    return "What serves:\n" + "\n".join(f"{name:<{width}}  {whose[yours]}: {why}" for name, yours, why in said)
+
+
+def parts_label(cache: str, parts: dict) -> str:
+    """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
+    yours that served in it ("radix: your radix_cache, attention"), or "radix: the package's parts"."""
+    from kvlearn.serving.config import PART_MODES
+
+    mine = [name for name in BUILD if (name in parts and cache in PART_MODES[name])
+            or (name not in PART_MODES and cache == "blocks" and _inside(parts, name) is not None)]
+    return f"{cache}: your {', '.join(mine)}" if mine else f"{cache}: the package's parts"
 
 
 def parts_for(cache: str, parts: dict) -> dict:
