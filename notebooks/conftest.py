@@ -12,9 +12,10 @@ each must run without error, and one that kept the instructor's outputs must sho
 same point on bound (a stub binds what its solution did), so they read the copy's values, not the
 solutions'. Then the item "student verdicts" asserts what a learner meets: every checker says "Not
 yet" (two or more per chapter, the capstone aside), each build exercise's skeleton is saved and
-its check_part says "Not yet", the cells that drive a part run on the package's (`use` says so),
-and, after the last chapter, no part saved in my_parts/ passes. The chapters run in order in one
-process (../conftest.py): chapter 9 reads the parts that chapters 1-6 saved.
+its check_part says "Not yet", the cells that drive a part run on the package's (`use` says so,
+and so does each verdict line that `credit` words), and, after the last chapter, no part saved in
+my_parts/ passes. The chapters run in order in one process (../conftest.py): chapter 9 reads the
+parts that chapters 1-6 saved.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ CAPSTONE = "09"
 CHAPTER = re.compile(r"\d\d_\w+\.ipynb")
 PART_CELL = re.compile(r"\A%%part (\w+)\n")
 USES_A_PART = re.compile(r"\buse\(")
+CREDITS = re.compile(r"\bcredit\(")
 FOLDER = pytest.StashKey[tempfile.TemporaryDirectory]()
 
 
@@ -120,6 +122,9 @@ class StudentVerdicts(pytest.Item):
                 assert any(f'check_part("{name}"' in s for s, _ in verdicts), f"no check_part({name!r}) said Not yet"
         if any(USES_A_PART.search(source) for source, _ in cells):
             assert any("(using the package's" in text for _, text in shown), "use() did not fall back"
+        for source, text in shown:   # a result of the package's stand-in says so on its own line
+            if CREDITS.search(source):
+                assert "the package's" in text and "yours has not passed" in text, f"credit() hid the stand-in: {text!r}"
         if self.runs is not None:
             written = {PART_CELL.match(source)[1] for r in self.runs for source, _ in r.ran.values()
                        if PART_CELL.match(source)}

@@ -187,3 +187,16 @@ def test_the_student_capstone_serves_the_model(tmp_path, parts):
         assert "radix tree: the package's RadixCache | page allocator: the package's PageAllocator" in shown
     assert shown.count("same tokens as generate: True") == 2
     assert shown.count("free slots after evict_all: 2048 of 2048") == 2
+
+
+def test_a_result_of_the_package_stand_in_says_whose_it_is():
+    from kvlearn.attention import paged_attention
+    from kvlearn.exercises.parts import credit
+
+    def my_paged_attention(*args):
+        return paged_attention(*args)
+
+    assert credit("attention", paged_attention, "same tokens as generate: True") == (
+        "the package's attention: same tokens as generate: True; yours has not passed check_part('attention', ...) yet")
+    assert credit("attention", my_paged_attention, "same tokens as generate: True") == \
+        "your attention: same tokens as generate: True"

@@ -9,7 +9,8 @@ import MyBlockTable`).
 - `check_part(name, impl)` runs `kvlearn.parts.check` and prints the verdict the course counts
   ("OK, well done." or "Not yet: ..." with the report), and remembers it;
 - `use(name, impl)` is the part the chapter then drives: yours once `check_part` passed it, else the
-  package's, saying so, so a student copy runs top to bottom before the exercise is done;
+  package's, saying so, so a student copy runs top to bottom before the exercise is done; `credit`
+  words a result of that part with whose it is;
 - `earlier_part(name, attr)` is what a later part grows from (chapter 2's `class
   MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read afresh from
   my_parts/NAME.py, once it passes `kvlearn.parts.check`, else the package's, saying so, so the later
@@ -89,6 +90,17 @@ def use(name: str, impl):
     print(f"(using the package's {package.__name__}: {getattr(impl, '__name__', impl)} has not passed "
           f"check_part({name!r}, ...) yet)")
     return package
+
+
+def credit(name: str, part, line: str) -> str:
+    """`line`, a result of the part `use(name, ...)` returned, saying whose part gave it: "your
+    attention: ..." or "the package's attention: ...; yours has not passed check yet", so that a
+    result of the package's stand-in never reads as yours."""
+    from kvlearn.parts import PARTS
+
+    if part is PARTS[name]:
+        return f"the package's {name}: {line}; yours has not passed check_part({name!r}, ...) yet"
+    return f"your {name}: {line}"
 
 
 def earlier_part(name: str, attr: str, folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S):
