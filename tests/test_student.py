@@ -328,3 +328,15 @@ def test_a_build_exercise_becomes_a_skeleton_that_says_not_yet(tmp_path, capsys)
         exec(compile(path.read_text(), str(path), "exec"), namespace)   # what the magic runs
         assert check_part("allocator", namespace["MyAllocator"]) is (verdict == OK)
         assert capsys.readouterr().out.startswith(verdict)
+
+
+def test_chapter_one_gives_blocks_back_in_the_order_its_part_must(copies):
+    """Section 1's code frees blocks the way `allocator.free(ids)` does (ids[0] is handed out next),
+    and the stub of `deallocate` says so: nothing in the given code to copy reversed into the part."""
+    _, student = copies["01"]
+    code = [c.source for c in student.cells if c.cell_type == "code"]
+    given = code[:next(i for i, source in enumerate(code) if source.startswith("%%part block_table"))]
+    assert not [s for s in given if "reversed(" in s], "section 1 reverses the freed blocks; the part must not"
+    stub = next(s for s in code if s.startswith("%%part block_table"))
+    deallocate = stub[stub.index("def deallocate"):stub.index("def slot_mapping")]
+    assert "self.allocator.free(ids) hands ids[0] out next" in deallocate and "not reversed" in deallocate
