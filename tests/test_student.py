@@ -249,7 +249,33 @@ def test_a_hard_link_is_replaced_not_written_through(one_chapter):
     write_student_copies(src, dest)
     assert (src / "00_x.ipynb").read_bytes() == before
     assert "answer = ...  # your answer here" in (dest / "00_x.ipynb").read_text()
-    assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb"]  # no temporary file left
+    assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb", "figures"]  # no temporary file left
+
+
+def test_the_copies_write_their_figures_under_dest_never_into_the_course(one_chapter):
+    """A copy's cells write figures where `figures_dir()` finds them from dest: dest/figures, a copy of
+    the course's (so a cell that shows a committed figure finds it), not the course's figures/."""
+    from kvlearn.viz.plots import figures_dir, save_figure
+
+    src, dest = one_chapter
+    course = src.parent / "figures"
+    course.mkdir()
+    (course / "bench_shared_system.png").write_bytes(b"committed")
+    write_student_copies(src, dest)
+    assert figures_dir(dest) == dest / "figures"
+    assert (dest / "figures" / "bench_shared_system.png").read_bytes() == b"committed"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert save_figure(plt.figure(), "bench_shared_system", figures_dir(dest)).parent == dest / "figures"
+    assert (course / "bench_shared_system.png").read_bytes() == b"committed"
+    (dest / "figures").rename(dest / "mine")
+    (dest / "figures").symlink_to(course)   # a link to the course's figures/: refused, nothing written
+    with pytest.raises(ValueError, match="figures is a symbolic link"):
+        write_student_copies(src, dest)
+    assert [p.name for p in course.iterdir()] == ["bench_shared_system.png"]
 
 
 @pytest.mark.parametrize("bad", ["missing src", "src is a file", "dest is a file"])
