@@ -85,11 +85,11 @@ def run_engine(engine, workload: Workload, max_new_tokens: int, system: str, pro
 
 def run_hf_generate(model, workload: Workload, max_new_tokens: int, progress: bool = False) -> SystemResult:
     """Plain `model.generate`, one prompt after the other: every prompt is prefilled in full."""
-    from tqdm.auto import tqdm
+    from kvlearn.progress import progress_bar
 
     outputs = []
     start = time.perf_counter()
-    for prompt in tqdm(workload.prompts, desc="HF generate", unit="req", disable=not progress):
+    for prompt in progress_bar(workload.prompts, desc="HF generate", unit="req", disable=not progress):
         ids = torch.tensor([prompt], device=model.device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
