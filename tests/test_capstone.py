@@ -120,6 +120,8 @@ def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_writ
     assert parts_label("radix", parts) == "radix: your attention"
     assert parts_label("blocks", parts) == "blocks: your attention"
     assert parts_label("radix", {}) == "radix: the package's parts"
+    assert parts_label("radix", dict.fromkeys(["radix_cache", "allocator", "attention", "scheduler"], max)) == \
+        "radix: all your parts"
 
 
 def test_gather_reads_the_files_afresh(tmp_path, capsys):

@@ -231,12 +231,15 @@ def serving_table(rows: list[Gathered], parts: dict) -> str:
 
 def parts_label(cache: str, parts: dict) -> str:
     """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
-    yours that served in it ("radix: your radix_cache, attention"), or "radix: the package's parts"."""
+    yours that served in it ("radix: your radix_cache, attention"), "radix: all your parts" or
+    "radix: the package's parts"."""
     from kvlearn.serving.config import PART_MODES
 
-    mine = [name for name in BUILD if (name in parts and cache in PART_MODES[name])
-            or (name not in PART_MODES and cache == "blocks" and _inside(parts, name) is not None)]
-    return f"{cache}: your {', '.join(mine)}" if mine else f"{cache}: the package's parts"
+    used = [name for name in BUILD if cache in PART_MODES.get(name, ("blocks",))]   # a block table: inside the manager
+    mine = [name for name in used if (name in parts if name in PART_MODES else _inside(parts, name) is not None)]
+    if not mine:
+        return f"{cache}: the package's parts"
+    return f"{cache}: all your parts" if mine == used else f"{cache}: your {', '.join(mine)}"
 
 
 def parts_for(cache: str, parts: dict) -> dict:
