@@ -185,31 +185,34 @@ def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) 
     return engine
 
 
-def _inside(parts: dict, name: str):
-    """Your part `name` as it serves inside your block manager (a class of my_parts/NAME.py in
-    MyBlockManager's bases), or None. Only the block table serves that way."""
+def _inside(parts: dict, name: str) -> bool:
+    """Whether your block manager (in `parts`) builds on your part `name`: a class of
+    my_parts/NAME.py among its bases. The block table serves only that way."""
     manager = parts.get("block_manager")
-    for cls in getattr(manager, "__mro__", ())[1:]:
-        package, _, module = cls.__module__.rpartition(".")
-        if module == name and package == manager.__module__.rpartition(".")[0]:
-            return cls
-    return None
+    folder = getattr(manager, "__module__", "").rpartition(".")[0]
+    return any(cls.__module__ == f"{folder}.{name}" for cls in getattr(manager, "__mro__", ())[1:])
+
+
+def _serves(parts: dict, name: str) -> tuple[tuple[str, ...], bool]:
+    """(the cache modes part `name` serves in, whether yours serves there given `parts`): the engine
+    takes it by name, or, for the block table (never given alone), inside your block manager."""
+    from kvlearn.serving.config import PART_MODES
+
+    if name in PART_MODES:
+        return PART_MODES[name], name in parts
+    return ("blocks",), _inside(parts, name)
 
 
 def serving(rows: list[Gathered], parts: dict) -> list[tuple[str, bool, str]]:
     """(part, whether yours serves, where or why not), one per row of `gather_parts`, for engines
-    given `parts` (what `gather` returns). A part serves when the engine is given it, or, for the
-    block table, when your block manager builds on it: the engine never takes a block table alone."""
-    from kvlearn.serving.config import PART_MODES
-
+    given `parts` (what `gather` returns)."""
     said = []
     for row in rows:
-        modes = PART_MODES.get(row.name, ())
+        modes, yours = _serves(parts, row.name)
         engines = "both engines" if {"radix", "blocks"} <= set(modes) else f"the {' and '.join(modes)} engine"
-        if row.name in parts:
-            said.append((row.name, True, f"in {engines}"))
-        elif row.name not in PART_MODES and _inside(parts, row.name) is not None:
-            said.append((row.name, True, "inside your block_manager, in the blocks engine"))
+        if yours:
+            where = "inside your block_manager, " if row.name not in parts else ""
+            said.append((row.name, True, f"{where}in {engines}"))
         elif row.verdict != "yours":
             said.append((row.name, False, "yours is missing" if row.verdict == "missing" else "yours has not passed check yet"))
         elif "block_manager" in parts:
@@ -233,10 +236,8 @@ def parts_label(cache: str, parts: dict) -> str:
     """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
     yours that served in it ("radix: your radix_cache, attention"), "radix: all your parts" or
     "radix: the package's parts"."""
-    from kvlearn.serving.config import PART_MODES
-
-    used = [name for name in BUILD if cache in PART_MODES.get(name, ("blocks",))]   # a block table: inside the manager
-    mine = [name for name in used if (name in parts if name in PART_MODES else _inside(parts, name) is not None)]
+    used = [name for name in BUILD if cache in _serves(parts, name)[0]]
+    mine = [name for name in used if _serves(parts, name)[1]]
     if not mine:
         return f"{cache}: the package's parts"
     return f"{cache}: all your parts" if mine == used else f"{cache}: your {', '.join(mine)}"
