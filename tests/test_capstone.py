@@ -94,8 +94,8 @@ def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(t
     assert parts_for("none", parts) == {"allocator": parts["allocator"]}
     out = capsys.readouterr().out
     assert "\nblock_table    yours: inside your block_manager, in the blocks engine\n" in out
-    assert parts_label("blocks", parts) == "blocks: your block_table, block_manager, allocator"
-    assert parts_label("radix", parts) == "radix: your radix_cache, allocator"
+    assert parts_label("blocks", parts) == "blocks, your block_table, block_manager, allocator"
+    assert parts_label("radix", parts) == "radix, your radix_cache, allocator"
 
 
 def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_written(tmp_path, capsys):
@@ -117,11 +117,11 @@ def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_writ
         "allocator      the package's: yours is missing",
         "attention      yours: in both engines",
         "scheduler      the package's: yours is missing"]
-    assert parts_label("radix", parts) == "radix: your attention"
-    assert parts_label("blocks", parts) == "blocks: your attention"
-    assert parts_label("radix", {}) == "radix: the package's parts"
+    assert parts_label("radix", parts) == "radix, your attention"
+    assert parts_label("blocks", parts) == "blocks, your attention"
+    assert parts_label("radix", {}) == "radix, the package's parts"
     assert parts_label("radix", dict.fromkeys(["radix_cache", "allocator", "attention", "scheduler"], max)) == \
-        "radix: all your parts"
+        "radix, all your parts"
 
 
 def test_gather_reads_the_files_afresh(tmp_path, capsys):

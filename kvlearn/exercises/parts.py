@@ -234,13 +234,13 @@ def serving_table(rows: list[Gathered], parts: dict) -> str:
 
 def parts_label(cache: str, parts: dict) -> str:
     """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
-    yours that served in it ("radix: your radix_cache, attention"), "radix: all your parts" or
-    "radix: the package's parts"."""
+    yours that served in it ("radix, your radix_cache, attention"), "radix, all your parts" or
+    "radix, the package's parts"."""
     used = [name for name in BUILD if cache in _serves(parts, name)[0]]
     mine = [name for name in used if _serves(parts, name)[1]]
     if not mine:
-        return f"{cache}: the package's parts"
-    return f"{cache}: all your parts" if mine == used else f"{cache}: your {', '.join(mine)}"
+        return f"{cache}, the package's parts"
+    return f"{cache}, all your parts" if mine == used else f"{cache}, your {', '.join(mine)}"
 
 
 def parts_for(cache: str, parts: dict) -> dict:
