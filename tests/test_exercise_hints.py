@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlearn.exercises import NOT_YET, ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08
+from kvlearn.routing.policies import RoundRobin
 from kvlearn.serving.workloads import unique_token_floor
 
 
@@ -80,22 +81,6 @@ def lfu_measured():
     return [((lru, lfu, "a"), "system prompt"), ((lru, lfu, "c"), "not time"), ((lru, lru, "b"), "measure with hit_rate")]
 
 
-def theorem():
-    from kvlearn.serving.simulate import simulate
-
-    few = ch06.theorem_workload()
-    runs = {n: {s: simulate(few, "radix", max_new_tokens=n, num_slots=320, schedule=s) for s in ("fcfs", "lpm")}
-            for n in (1, 16)}
-    longest = max(len(p) + 15 for p in few.prompt_lists())
-    computed = {s: runs[1][s]["computed_prefill_tokens"] for s in runs[1]}
-    preempted = {s: runs[16][s]["preemptions"] for s in runs[16]}
-    return [((longest, computed, preempted, "a"), "depth-first order still pays"),
-            ((longest, computed, preempted, "b"), "under the pool's 320"),
-            ((longest - 1, computed, preempted, "c"), "every output token but the last"),
-            ((longest, {s: 0 for s in computed}, preempted, "c"), "measure computed_prefill_tokens"),
-            ((longest, computed, {s: 0 for s in preempted}, "c"), "stats['preemptions']")]
-
-
 MISTAKES = {
     "ch00 bytes per token": (ch00.check_bytes_per_token, lambda: [
         ((2 * 32 * 32 * 128 * 2,), "32 query heads"), ((32 * 8 * 128 * 2,), "K or V alone"),
@@ -143,14 +128,9 @@ MISTAKES = {
         ((unique_token_floor,), "That is the floor")]),
     "ch06 computed prefill": (ch06.check_computed_prefill, lambda: [
         ((26, 14), "radix: the first prompt"), ((12, 12), "blocks: only whole blocks")]),
-    "ch06 theorem": (ch06.check_theorem, theorem),
-    "ch07 thresholds": (ch07.check_thresholds, lambda: [
-        ((0.3, 4, 1.5, "cache_hit"), "piles the hot tenant"), ((0.3, 4, 1.5, "low_match"), "no replica holds"),
-        ((0.3, 4, 1.5, "hot"), "must be one of"), ((0.3, 0, 1.0), "Raise the balance"),
-        ((0.3, 10**9, 1.5), "Lower balance_abs_threshold"), ((2.0, 4, 1.5), "cache_threshold must be in")]),
     "ch07 policy": (ch07.check_policy, lambda: [
         ((lambda n: "not a policy",), "must return a kvlearn Policy"),
-        ((lambda n: ch07_round_robin(),), "sessions were split")]),
+        ((lambda n: RoundRobin(),), "sessions were split")]),
     "ch08 host keeps": (ch08.check_host_keeps, lambda: [
         (({"write_back": {"C", "D", "E"}, "write_through": {"D", "E"}},), "host drop"),
         (({"write_back": set("BCDE"), "write_through": set("BCDE")},), "copied to the host"),
@@ -160,26 +140,25 @@ MISTAKES = {
         (({"write_back": {"A"}, "write_through": set("DE")},), "can a crash come between"),
         ((None,), "answer with a dict")]),
 }
-# Chapter 7's exercises 3 and 4 replay long traces: tests/test_routing_exercises.py checks their hints.
+# Exercises whose checker simulates (chapter 6's theorem, chapter 7's) list their mistakes where their
+# tests already run them: tests/test_exercises_ch06.py and tests/test_routing_exercises.py (own_hints).
 
 
-def ch07_round_robin():
-    from kvlearn.routing.policies import RoundRobin
-
-    return RoundRobin()
+def own_hints(capsys, check, mistakes) -> None:
+    """Each (arguments, phrase) of `mistakes` gets a Not yet whose hint holds its phrase and no other's."""
+    assert len(mistakes) >= 2
+    phrases = [phrase for _, phrase in mistakes]
+    for args, phrase in mistakes:
+        message = said(capsys, check, *args)
+        assert phrase in message, f"{check.__name__}: the hint for {args!r} should say {phrase!r}: {message}"
+        others = [p for p in phrases if p != phrase and p in message]
+        assert not others, f"{check.__name__}: the hint for {args!r} also holds {others} (another mistake's): {message}"
 
 
 @pytest.mark.parametrize("exercise", MISTAKES)
 def test_each_likely_mistake_gets_a_hint_of_its_own(exercise, capsys):
     check, make = MISTAKES[exercise]
-    mistakes = make()
-    assert len(mistakes) >= 2
-    phrases = [phrase for _, phrase in mistakes]
-    for args, phrase in mistakes:
-        message = said(capsys, check, *args)
-        assert phrase in message, f"{exercise}: the hint for {args!r} should say {phrase!r}: {message}"
-        others = [p for p in phrases if p != phrase and p in message]
-        assert not others, f"{exercise}: the hint for {args!r} also holds {others} (another mistake's): {message}"
+    own_hints(capsys, check, make())
 
 
 # --- a function that raises: the hint shows the call's inputs ------------------------------------
