@@ -181,14 +181,17 @@ def _convert(target: Path) -> None:
         remove_stale_tmp(target.parent)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are plain float tensors now; drop the GGUF marker so transformers will save them.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        from kvlearn.progress import library_bars
+
+        with library_bars():   # one line per bar in a log (make demo > log, CI), live in a terminal
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            # The weights are plain float tensors now; drop the GGUF marker so transformers will save them.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         write_integrity_record(tmp)
         install_copy(tmp, target)
     finally:

@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from kvlearn.exercises import NOT_YET
-from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_table, save_part
+from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_label, parts_table, save_part
 from kvlearn.workshop.mutants import worked_solutions
 from tests import test_parts
 
@@ -67,9 +67,12 @@ def test_gather_says_what_is_yours_missing_or_failing(tmp_path, capsys):
     assert "SyntaxError" in rows["attention"].note and "(attention.py, line 1)" in rows["attention"].note
     assert rows["scheduler"].note == "scheduler.py defines no MyScheduler"
     assert "meets the allocator contract" in rows["allocator"].note
-    assert "1 of 6 parts pass" in out and "The engine uses the package's block_manager, radix_cache" in out
+    assert "1 of 6 parts pass" in out
+    assert "\nallocator      yours: in both engines\n" in out
+    assert "\nblock_table    the package's: yours is missing\n" in out
+    assert "\nattention      the package's: yours has not passed check yet\n" in out
     assert NOT_YET not in out   # the course counts "Not yet:" as an exercise's verdict: the table is none
-    assert out.count("\n") == 1 + 6 + 3
+    assert out.count("\n") == 1 + 6 + 1 + 1 + 6 + 1
     assert capsys.readouterr().out == ""
     gather(folder)
     assert capsys.readouterr().out == out   # the same table every time (nbval)
@@ -89,6 +92,36 @@ def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(t
     assert parts_for("radix", parts) == {"radix_cache": parts["radix_cache"], "allocator": parts["allocator"]}
     assert parts_for("blocks", parts) == {"block_manager": parts["block_manager"], "allocator": parts["allocator"]}
     assert parts_for("none", parts) == {"allocator": parts["allocator"]}
+    out = capsys.readouterr().out
+    assert "\nblock_table    yours: inside your block_manager, in the blocks engine\n" in out
+    assert parts_label("blocks", parts) == "blocks, your block_table, block_manager, allocator"
+    assert parts_label("radix", parts) == "radix, your radix_cache, allocator"
+
+
+def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_written(tmp_path, capsys):
+    """A block table passes its check but never serves alone (only inside a block manager); the
+    attention serves in both engines; each bench row is named by the parts of yours it used."""
+    folder = tmp_path / "my_parts"
+    written = worked_solutions()
+    for name in ("block_table", "attention"):
+        save_part(name, written[name], folder)
+    parts = gather(folder)
+    out = capsys.readouterr().out
+    assert "2 of 6 parts pass" in out and list(parts) == ["attention"]
+    said = out.split("What serves:\n", 1)[1].splitlines()
+    assert said[:6] == [
+        "block_table    the package's: your block_table serves only inside a block manager: write chapter 2's "
+        "block_manager (it builds on yours) to use it",
+        "block_manager  the package's: yours is missing",
+        "radix_cache    the package's: yours is missing",
+        "allocator      the package's: yours is missing",
+        "attention      yours: in both engines",
+        "scheduler      the package's: yours is missing"]
+    assert parts_label("radix", parts) == "radix, your attention"
+    assert parts_label("blocks", parts) == "blocks, your attention"
+    assert parts_label("radix", {}) == "radix, the package's parts"
+    assert parts_label("radix", dict.fromkeys(["radix_cache", "allocator", "attention", "scheduler"], max)) == \
+        "radix, all your parts"
 
 
 def test_gather_reads_the_files_afresh(tmp_path, capsys):
@@ -156,3 +189,16 @@ def test_the_student_capstone_serves_the_model(tmp_path, parts):
         assert "radix tree: the package's RadixCache | page allocator: the package's PageAllocator" in shown
     assert shown.count("same tokens as generate: True") == 2
     assert shown.count("free slots after evict_all: 2048 of 2048") == 2
+
+
+def test_a_result_of_the_package_stand_in_says_whose_it_is():
+    from kvlearn.attention import paged_attention
+    from kvlearn.exercises.parts import credit
+
+    def my_paged_attention(*args):
+        return paged_attention(*args)
+
+    assert credit("attention", paged_attention, "same tokens as generate: True") == (
+        "the package's attention: same tokens as generate: True; yours has not passed check_part('attention', ...) yet")
+    assert credit("attention", my_paged_attention, "same tokens as generate: True") == \
+        "your attention: same tokens as generate: True"

@@ -2,6 +2,7 @@
 
 from kvlearn.exercises import ch06
 from kvlearn.serving.workloads import unique_token_floor
+from tests.test_exercise_hints import own_hints
 
 
 def radix_prefill(prompts):
@@ -16,7 +17,7 @@ def test_radix_prefill():
     assert not ch06.check_radix_prefill(lambda prompts: 1 / 0)
 
 
-def test_theorem():
+def test_theorem(capsys):
     from kvlearn.serving.simulate import simulate
 
     few_shot = ch06.theorem_workload()
@@ -28,10 +29,12 @@ def test_theorem():
     longest = max(len(p) + 15 for p in few_shot.prompt_lists())
     assert longest <= 320                                       # so (b) holds: the pool fits the longest
     assert ch06.check_theorem(longest, computed, preempted, "c")
-    assert not ch06.check_theorem(longest, computed, preempted, "b")
-    assert not ch06.check_theorem(longest - 1, computed, preempted, "c")   # the last token needs no slot
-    assert not ch06.check_theorem(longest, {"fcfs": 551, "lpm": 630}, preempted, "c")  # the 16-token counts
-    assert not ch06.check_theorem(longest, computed, {"fcfs": 0, "lpm": 0}, "c")
+    own_hints(capsys, ch06.check_theorem, [   # each likely mistake, a hint of its own
+        ((longest, computed, preempted, "a"), "depth-first order still pays"),
+        ((longest, computed, preempted, "b"), "under the pool's 320"),
+        ((longest - 1, computed, preempted, "c"), "every output token but the last"),   # the last token needs no slot
+        ((longest, {"fcfs": 551, "lpm": 630}, preempted, "c"), "measure computed_prefill_tokens"),  # the 16-token counts
+        ((longest, computed, {"fcfs": 0, "lpm": 0}, "c"), "stats['preemptions']")])
     assert not ch06.check_theorem(..., ..., ..., ...)  # the stubs
 
 

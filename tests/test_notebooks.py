@@ -120,3 +120,60 @@ def test_record_refuses_a_loaded_machine_and_writes_nothing(tmp_path, monkeypatc
     line = record.record(nb)
     assert "not run, load 9.0" in line and nb.read_text() == before
     assert record.quiet(1.5, 2) and not record.quiet(1.51, 2)
+
+
+# A timing moves with whatever else the machine runs (a workshop laptop, `make test` with two
+# workers): a cell prints it and says when a run was disturbed (kvlearn.bench.timing), never asserts
+# it. A name reads as a time or a rate when one of its words (split at "_") is one of these.
+TIME_WORDS = {"s", "ms", "us", "ns", "sec", "secs", "second", "seconds", "time", "times", "timing", "timings",
+              "wall", "elapsed", "duration", "throughput", "speed", "speedup", "best", "fastest", "slowest"}
+
+
+def timing_asserts(source: str) -> list[str]:
+    """The asserts of a cell that order timings: a comparison (<, >, <=, >=) in an assert's test
+    whose operands name a time or a rate (step_s, seconds_cache, tokens_per_s[16], best["fast"],
+    timing["recompute_over"])."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    found = []
+    for node in ast.walk(ast.parse(TransformerManager().transform_cell(source))):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            if not any(isinstance(op, (ast.Lt, ast.Gt, ast.LtE, ast.GtE)) for op in compare.ops):
+                continue
+            names = [n.id if isinstance(n, ast.Name) else n.attr for side in (compare.left, *compare.comparators)
+                     for n in ast.walk(side) if isinstance(n, (ast.Name, ast.Attribute))]
+            if any(TIME_WORDS & set(name.lower().split("_")) for name in names):
+                found.append(ast.unparse(node.test))
+    return found
+
+
+def test_the_timing_rule_finds_a_timing_and_spares_counts():
+    assert timing_asserts('assert best["fast"] < best["plain"], "faster"') == ["best['fast'] < best['plain']"]
+    assert timing_asserts("assert step_s[16] < 8 * step_s[1]") and timing_asserts("assert x and tokens_per_s[16] > 1")
+    assert timing_asserts("assert sum(result.seconds_no_cache) > sum(result.seconds_cache)")
+    assert timing_asserts("assert match_us[max(match_us)] < 10 * match_us[min(match_us)], match_us")
+    assert not timing_asserts("assert result.flops_no_cache > 10 * result.flops_cache")
+    assert not timing_asserts("assert all(sum(a) < sum(b) for a, b in zip(sizes, sizes[1:]))")
+    assert not timing_asserts("assert tokens['fast'] == tokens['plain']\nassert num_slots >= 2")
+    assert not timing_asserts("%load_ext kvlearn.exercises.parts\nprint(step_s[16] < step_s[1])")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_cell_asserts_a_timing(path):
+    found = {n: timing_asserts(c.source) for n, c in enumerate(code_cells(path), 1)}
+    found = {n: asserts for n, asserts in found.items() if asserts}
+    assert not found, (f"code cells {found} assert a timing, which a busy machine breaks: print the figures and "
+                       "call kvlearn.bench.timing.disturbed_unless(holds, claim) instead")
+
+
+def test_a_disturbed_timing_is_said_on_stderr_which_nbval_does_not_compare(capsys):
+    from kvlearn.bench.timing import disturbed_unless
+
+    assert disturbed_unless(True, "the fast path is faster") is True
+    assert capsys.readouterr() == ("", "")
+    assert disturbed_unless(False, "the fast path is faster") is False
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("This run does not show that the fast path is faster: its timings were "
+                                        "disturbed (the load average is ") and "run the cell again" in err

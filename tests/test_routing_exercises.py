@@ -10,6 +10,7 @@ from kvlearn.exercises import NOT_YET, OK, ch07
 from kvlearn.routing.policies import LeastLoad, Policy, RoundRobin
 from kvlearn.routing.replay import replay
 from kvlearn.workshop.student import student_copy
+from tests.test_exercise_hints import own_hints
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "07_routing.ipynb"
 
@@ -28,16 +29,17 @@ class Sticky(Policy):
 def test_thresholds_checker(capsys):
     assert ch07.check_thresholds(0.3, 4, 1.5)
     assert ch07.check_thresholds(0.3, 4, 1.5, "imbalanced")
-    assert not ch07.check_thresholds(0.3, 4, 1.5, "cache_hit")   # the diagnosis comes first
-    assert not ch07.check_thresholds(0.3, 4, 1.5, "hot")
     assert not ch07.check_thresholds(0.3, 8, 1.5)         # the defaults leave the hot tenant too heavy
-    assert not ch07.check_thresholds(0.3, 10**9, 1.5)     # no balancing: the hot tenant piles up
-    assert not ch07.check_thresholds(0.3, 0, 1.0)         # always balancing: affinity is lost
     assert not ch07.check_thresholds(..., ..., ...)
-    assert not ch07.check_thresholds(2.0, 4, 1.5)         # out of range: a hint, not a crash
     out = capsys.readouterr().out
-    assert out.count(OK) == 2 and out.count(NOT_YET) == 7 and "piles up" in out and "cache_threshold" in out
-    assert "checked first" in out and "'imbalanced'" in out
+    assert out.count(OK) == 2 and out.count(NOT_YET) == 2 and "piles up" in out
+    own_hints(capsys, ch07.check_thresholds, [   # each likely mistake, a hint of its own
+        ((0.3, 4, 1.5, "cache_hit"), "piles the hot tenant"),     # the diagnosis comes first
+        ((0.3, 4, 1.5, "low_match"), "no replica holds"),
+        ((0.3, 4, 1.5, "hot"), "must be one of"),
+        ((0.3, 0, 1.0), "Raise the balance"),                      # always balancing: affinity is lost
+        ((0.3, 10**9, 1.5), "Lower balance_abs_threshold"),        # no balancing: the hot tenant piles up
+        ((2.0, 4, 1.5), "cache_threshold must be in")])            # out of range: a hint, not a crash
 
 
 def test_policy_checker(capsys):

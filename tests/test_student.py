@@ -252,7 +252,33 @@ def test_a_hard_link_is_replaced_not_written_through(one_chapter):
     write_student_copies(src, dest)
     assert (src / "00_x.ipynb").read_bytes() == before
     assert "answer = ...  # your answer here" in (dest / "00_x.ipynb").read_text()
-    assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb"]  # no temporary file left
+    assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb", "figures"]  # no temporary file left
+
+
+def test_the_copies_write_their_figures_under_dest_never_into_the_course(one_chapter):
+    """A copy's cells write figures where `figures_dir()` finds them from dest: dest/figures, a copy of
+    the course's (so a cell that shows a committed figure finds it), not the course's figures/."""
+    from kvlearn.viz.plots import figures_dir, save_figure
+
+    src, dest = one_chapter
+    course = src.parent / "figures"
+    course.mkdir()
+    (course / "bench_shared_system.png").write_bytes(b"committed")
+    write_student_copies(src, dest)
+    assert figures_dir(dest) == dest / "figures"
+    assert (dest / "figures" / "bench_shared_system.png").read_bytes() == b"committed"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert save_figure(plt.figure(), "bench_shared_system", figures_dir(dest)).parent == dest / "figures"
+    assert (course / "bench_shared_system.png").read_bytes() == b"committed"
+    (dest / "figures").rename(dest / "mine")
+    (dest / "figures").symlink_to(course)   # a link to the course's figures/: refused, nothing written
+    with pytest.raises(ValueError, match="figures is a symbolic link"):
+        write_student_copies(src, dest)
+    assert [p.name for p in course.iterdir()] == ["bench_shared_system.png"]
 
 
 @pytest.mark.parametrize("bad", ["missing src", "src is a file", "dest is a file"])
@@ -331,3 +357,15 @@ def test_a_build_exercise_becomes_a_skeleton_that_says_not_yet(tmp_path, capsys)
         exec(compile(path.read_text(), str(path), "exec"), namespace)   # what the magic runs
         assert check_part("allocator", namespace["MyAllocator"]) is (verdict == OK)
         assert capsys.readouterr().out.startswith(verdict)
+
+
+def test_chapter_one_gives_blocks_back_in_the_order_its_part_must(copies):
+    """Section 1's code frees blocks the way `allocator.free(ids)` does (ids[0] is handed out next),
+    and the stub of `deallocate` says so: nothing in the given code to copy reversed into the part."""
+    _, student = copies["01"]
+    code = [c.source for c in student.cells if c.cell_type == "code"]
+    given = code[:next(i for i, source in enumerate(code) if source.startswith("%%part block_table"))]
+    assert not [s for s in given if "reversed(" in s], "section 1 reverses the freed blocks; the part must not"
+    stub = next(s for s in code if s.startswith("%%part block_table"))
+    deallocate = stub[stub.index("def deallocate"):stub.index("def slot_mapping")]
+    assert "self.allocator.free(ids) hands ids[0] out next" in deallocate and "not reversed" in deallocate

@@ -6,4 +6,5 @@ cli     `python -m kvlearn bench`
 demo    `python -m kvlearn demo`, the main job
 decode  chapter 5's decode throughput against batch size
 radix   chapter 3's radix tree at scale
+timing  speed claims in the notebooks: printed, and said to be disturbed when a run does not show them
 """

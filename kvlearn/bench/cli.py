@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from tqdm.auto import tqdm
+    from kvlearn.progress import progress_bar
 
     from kvlearn.model import load_model
 
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     runs = systems + (["vllm"] if args.vllm_python else [])
     results = []
     warm_up(model, tokenizer, fast=not args.plain)
-    with tqdm(total=len(runs), desc="bench", unit="system") as bar:
+    with progress_bar(total=len(runs), desc="bench", unit="system") as bar:
         for system in runs:
             bar.set_postfix_str(system)
             if system in KVLEARN_SYSTEMS:

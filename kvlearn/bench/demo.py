@@ -22,7 +22,7 @@ def device_arg(text: str) -> str:
 
 
 def chapter0(model, tokenizer, max_new_tokens: int) -> None:
-    from tqdm import tqdm
+    from kvlearn.progress import progress_bar
 
     from kvlearn.decoding import compare, plot_step_times
     from kvlearn.memory import kv_table
@@ -30,7 +30,7 @@ def chapter0(model, tokenizer, max_new_tokens: int) -> None:
     from kvlearn.viz.plots import save_figure
 
     prompt_ids = chat_ids(tokenizer, PROMPT)
-    with tqdm(total=2 * max_new_tokens, desc="decoding twice", unit="tok") as bar:
+    with progress_bar(total=2 * max_new_tokens, desc="decoding twice", unit="tok") as bar:
         result = compare(model, prompt_ids, max_new_tokens, progress=bar.update)
     print(f"\n== Chapter 0: why a KV cache ==\nprompt: {PROMPT}")
     print(f"answer: {tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}\n")

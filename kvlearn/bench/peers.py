@@ -25,8 +25,7 @@ from kvlearn.serving.workloads import Workload
 KVLEARN_SYSTEMS = ("radix", "blocks", "none")
 HF_SYSTEMS = ("hf", "hf-cb")
 LABELS = {"radix": "kvlearn radix", "blocks": "kvlearn blocks", "none": "kvlearn no cache",
-          "hf": "HF generate (1 at a time)", "hf-cb": "HF continuous batching", "vllm": "vLLM CPU",
-          "yours-radix": "your parts, radix", "yours-blocks": "your parts, blocks"}   # chapter 9's engines
+          "hf": "HF generate (1 at a time)", "hf-cb": "HF continuous batching", "vllm": "vLLM CPU"}
 # Hugging Face continuous batching settings that make it share prefixes on CPU (DESIGN.md).
 HF_CB_SETTINGS = dict(page_size=16, num_blocks=512, max_batch_tokens=512)
 
@@ -41,6 +40,12 @@ class SystemResult:
     computed_prefill_tokens: int | None = None   # None: the system does not say
     hit_rate: float | None = None
     peak_slots: int | None = None
+    label: str | None = None                     # the row's name; None: LABELS[system]
+
+    @property
+    def name(self) -> str:
+        """The row's name in tables and plots."""
+        return self.label or LABELS[self.system]
 
     @property
     def output_tokens(self) -> int:
@@ -65,24 +70,26 @@ def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens
     return run_engine(engine, workload, max_new_tokens, cache, progress), engine
 
 
-def run_engine(engine, workload: Workload, max_new_tokens: int, system: str, progress: bool = False) -> SystemResult:
+def run_engine(engine, workload: Workload, max_new_tokens: int, system: str, progress: bool = False,
+               label: str | None = None) -> SystemResult:
     """Serve the workload on an engine already built (its parts, its pool) and time the serving only;
-    `system` names the row (a key of LABELS)."""
+    `system` is its cache mode (a key of LABELS), `label` the row's name when not LABELS[system]
+    (chapter 9 names the learner's parts that served)."""
     start = time.perf_counter()
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new_tokens, progress=progress)
     wall = time.perf_counter() - start
     s = engine.stats
     return SystemResult(system, [o.token_ids for o in outputs], wall, s["computed_prefill_tokens"],
-                        s["hit_rate"], s["peak_slots"])
+                        s["hit_rate"], s["peak_slots"], label)
 
 
 def run_hf_generate(model, workload: Workload, max_new_tokens: int, progress: bool = False) -> SystemResult:
     """Plain `model.generate`, one prompt after the other: every prompt is prefilled in full."""
-    from tqdm.auto import tqdm
+    from kvlearn.progress import progress_bar
 
     outputs = []
     start = time.perf_counter()
-    for prompt in tqdm(workload.prompts, desc="HF generate", unit="req", disable=not progress):
+    for prompt in progress_bar(workload.prompts, desc="HF generate", unit="req", disable=not progress):
         ids = torch.tensor([prompt], device=model.device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

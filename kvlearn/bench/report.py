@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvlearn.bench.peers import LABELS, SystemResult
+from kvlearn.bench.peers import SystemResult
 from kvlearn.serving.workloads import Workload
 from kvlearn.viz.plots import save_figure
 
@@ -84,12 +84,13 @@ def table(results: list[SystemResult], workload: Workload) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    head = (f"{'system':<27} {'tok/s':>7} {'wall s':>7} {'prefill computed':>16} {'x floor':>7} {'hit rate':>8} "
+    width = max([27, *(len(r.name) for r in results)])
+    head = (f"{'system':<{width}} {'tok/s':>7} {'wall s':>7} {'prefill computed':>16} {'x floor':>7} {'hit rate':>8} "
             f"{'peak KV slots':>13}")
     lines = [f"{workload!r}", head, "-" * len(head)]
     for r in results:
         ratio = None if r.computed_prefill_tokens is None else r.computed_prefill_tokens / workload.unique_token_floor
-        lines.append(f"{LABELS[r.system]:<27} {r.tokens_per_s:>7.1f} {r.wall_time_s:>7.1f} "
+        lines.append(f"{r.name:<{width}} {r.tokens_per_s:>7.1f} {r.wall_time_s:>7.1f} "
                      f"{fmt(r.computed_prefill_tokens, ','):>16} {fmt(ratio, '.2f'):>7} "
                      f"{fmt(r.hit_rate, '.1%'):>8} {fmt(r.peak_slots, ','):>13}")
     return "\n".join(lines)
@@ -100,12 +101,12 @@ def plot(results: list[SystemResult], workload: Workload):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    names = [LABELS[r.system] for r in results]
+    names = [r.name for r in results]
     ax1.barh(names, [r.tokens_per_s for r in results], color="#4c72b0")
     ax1.set_xlabel("output tokens / s (higher is better)")
     ax1.invert_yaxis()
     counted = [r for r in results if r.computed_prefill_tokens is not None]
-    ax2.barh([LABELS[r.system] for r in counted], [r.computed_prefill_tokens for r in counted], color="#dd8452")
+    ax2.barh([r.name for r in counted], [r.computed_prefill_tokens for r in counted], color="#dd8452")
     ax2.axvline(workload.unique_token_floor, color="black", linestyle="--", label="unique-token floor")
     ax2.set_xlabel("prompt tokens computed (lower is better)")
     ax2.invert_yaxis()
@@ -124,7 +125,7 @@ def write_outputs(results: list[SystemResult], workload: Workload, max_new_token
                      "prompt_tokens": workload.num_prompt_tokens, "unique_token_floor": workload.unique_token_floor,
                      "max_new_tokens": max_new_tokens},
         "torch_threads": torch.get_num_threads(),
-        "systems": [dict(asdict(r), label=LABELS[r.system], tokens_per_s=round(r.tokens_per_s, 2),
+        "systems": [dict(asdict(r), label=r.name, tokens_per_s=round(r.tokens_per_s, 2),
                          output_tokens=r.output_tokens, wall_time_s=round(r.wall_time_s, 3)) for r in results],
         "bars": [dict(zip(("bar", "measured", "target", "reached"), b))
                  for b in check_bars(results, workload, decode_step)],

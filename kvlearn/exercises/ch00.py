@@ -5,7 +5,7 @@ import math
 import torch
 
 from kvlearn.decoding import StepCost
-from kvlearn.exercises import report
+from kvlearn.exercises import likely_mistake, report
 from kvlearn.memory import KVConfig, kv_bytes_per_token
 
 MISTRAL_7B = KVConfig("Mistral-7B", "GQA", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -23,8 +23,15 @@ def _number(answer) -> float | None:
 
 def check_bytes_per_token(answer: int) -> bool:
     """Exercise 1: KV bytes per token of Mistral-7B (32 layers, 8 KV heads of 128) in bf16."""
-    return report(answer == kv_bytes_per_token(MISTRAL_7B, torch.bfloat16),
-                  "count K and V, every layer, every KV head, head_dim values of 2 bytes each.")
+    c = MISTRAL_7B
+    right = kv_bytes_per_token(c, torch.bfloat16)   # 2 (K and V) x layers x KV heads x head_dim x 2 bytes
+    return report(answer == right and not isinstance(answer, bool), likely_mistake(answer, [
+        (right // c.num_kv_heads * c.num_heads, "that counts the 32 query heads: K and V are kept per KV head, 8 "
+                                                "of them (grouped-query attention)."),
+        (right // 2, "that is K or V alone: the cache keeps both."),
+        (right * 2, "that counts 4 bytes per value: a bf16 value is 2 bytes."),
+        (right // c.num_layers, "that is one layer: every layer keeps its own K and V.")]) or
+        "count K and V, every layer, every KV head, head_dim values of 2 bytes each.")
 
 
 def check_gpu_batch(answer) -> bool:

@@ -2,7 +2,7 @@
 `kvlearn.parts.check("block_manager", ...)`): a prompt that leaves a cached path inside a block."""
 
 from kvlearn.blocks import BlockManager
-from kvlearn.exercises import report
+from kvlearn.exercises import likely_mistake, report
 from kvlearn.sequence import Sequence
 
 
@@ -27,8 +27,18 @@ def check_divergence(num_cached_tokens, block_table) -> bool:
     _run(manager, DIVERGE_A)
     b = _run(manager, DIVERGE_B, finish=False)
     if num_cached_tokens != b.num_cached_tokens:
-        return report(False, "a block is found by the hash of its whole prefix: B matches A's first block, "
-                             "but does B's second block hash like A's if only half of it agrees?")
-    ok = isinstance(block_table, (list, tuple)) and list(block_table) == b.block_table
-    return report(ok, "after A finishes, which of its blocks are cached and which are free pages? B takes its "
-                      "hit, then free pages, then evicts the least recently freed cached block.")
+        return report(False, likely_mistake(num_cached_tokens, [
+            (6, "a block is found by the hash of its whole prefix: B matches A's first block, but does B's second "
+                "block hash like A's if only half of it agrees?"),
+            (8, "B's second block differs from A's in its last two tokens, so its hash differs: B cannot take it."),
+            (0, "B's first block holds the same 4 tokens as A's first block, with the same (empty) prefix before "
+                "them: the same hash, so B finds it.")]) or
+            "count the tokens of the blocks B finds by hash: whole blocks only, from the start.")
+    table = list(block_table) if isinstance(block_table, (list, tuple)) else block_table
+    ok = table == b.block_table
+    return report(ok, likely_mistake(table, [
+        ([0, 1, 2], "B's second block is not a hit (its hash differs), so block 1 is still A's cached block; B takes "
+                    "the free page first, and only then evicts a cached block."),
+        ([0, 2], "B holds 11 tokens: three blocks of 4.")]) or
+        "after A finishes, which of its blocks are cached and which are free pages? B takes its "
+        "hit, then free pages, then evicts the least recently freed cached block.")

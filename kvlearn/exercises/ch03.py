@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from kvlearn.exercises import attempt, report
+from kvlearn.exercises import attempt, given, likely_mistake, report
 from kvlearn.radix import RadixCache
 
 
@@ -26,9 +26,11 @@ def _relock_problems(fn, cache_type) -> list[str]:
     old = cache.match_prefix([1, 2, 3]).last_node
     cache.lock(old)
     key, value = [1, 2, 3, 4, 5], torch.tensor([20, 21, 22, 23, 24])
-    answer, error = attempt(fn, cache, key, value, old)
+    shown = (f"on a {cache_type.__name__} holding [1, 2, 3] and [1, 2, 7, 7], {given(key=key, value=value)}, "
+             "old_node=the node of [1, 2, 3], locked")
+    answer, error = attempt(fn, cache, key, value, old, shown=shown)
     if error or not (isinstance(answer, tuple) and len(answer) == 2):
-        return [error or f"return a pair (node, duplicates), got {answer!r}"]
+        return [error or f"{shown}: return a pair (node, duplicates), got {answer!r}"]
     node, duplicates = answer
     problems = []
     if duplicates != 3:
@@ -64,7 +66,7 @@ def _first_eviction(history, policy: str) -> tuple[list, str | None]:
     `history(cache)` ran on it, or the error the history raised."""
     taken = []
     cache = RadixCache(eviction_policy=policy, evict_callback=lambda value: taken.append(value.tolist()))
-    _, error = attempt(history, cache)
+    _, error = attempt(history, cache, shown=f"on an empty RadixCache(eviction_policy={policy!r})")
     if error:
         return [], error
     taken.clear()   # what the history evicted itself does not count
@@ -169,5 +171,9 @@ def check_lfu_measured(lru: dict, lfu: dict, why: str) -> bool:
     print(f"{'pool slots':>10} {'LRU':>6} {'LFU':>6}")
     for n in sorted(lru):
         print(f"{n:>10} {lru[n]:>6.2f} {lfu[n]:>6.2f}")
-    return report(why == "b", "both policies evict only leaves, and the hit rate counts tokens, not time. Which "
-                              "leaves have no hits in a chat, and which keep theirs after their conversation ends?")
+    return report(why == "b", likely_mistake(why, [
+        ("a", "every turn of every conversation hits the shared system prompt: it has the most hits of all, so LFU "
+              "keeps it as surely as LRU does."),
+        ("c", "the hit rate counts tokens taken from the cache, not time: what counting costs does not enter it.")]) or
+        "both policies evict only leaves, and the hit rate counts tokens, not time. Which "
+        "leaves have no hits in a chat, and which keep theirs after their conversation ends?")

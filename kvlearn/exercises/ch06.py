@@ -2,7 +2,7 @@
 computes, and which assumption of Theorem 3.1 a batching engine breaks when lpm loses to fcfs.
 (The chapter's build exercise, the scheduler's step, is checked by kvlearn.parts.check("scheduler", ...).)"""
 
-from kvlearn.exercises import attempt, report
+from kvlearn.exercises import attempt, given, likely_mistake, report
 
 # Exercise 2's prompts (token ids), all submitted at once, one new token each, blocks of 4.
 EXERCISE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9],
@@ -36,14 +36,21 @@ def check_radix_prefill(fn) -> bool:
     """Exercise 1: `fn(prompts) -> int`, the prompt tokens the radix engine computes when the prompts
     are submitted together (fcfs, a roomy pool): the floor, plus what the floor cannot see."""
     from kvlearn.serving.simulate import simulate
+    from kvlearn.serving.workloads import unique_token_floor
 
     for prompts in FLOOR_CASES:
         want = simulate(prompts, "radix", max_new_tokens=1)["computed_prefill_tokens"]
-        got, error = attempt(fn, [list(p) for p in prompts])
+        shown = given(prompts=prompts)
+        got, error = attempt(fn, [list(p) for p in prompts], shown=shown)
         if error or got != want:
-            return report(False, error or f"for {prompts} radix computes {want}, you said {got}. The floor counts "
-                          "each prefix once; but which token does a prompt always compute, even when the tree "
-                          "already holds all of it?")
+            return report(False, error or f"{shown}: radix computes {want}, you said {got}. " + (likely_mistake(got, [
+                (sum(map(len, prompts)), "That is every prompt token: the tree computes a prefix it already holds "
+                                         "only once."),
+                (unique_token_floor(prompts), "That is the floor, which counts each prefix once; but which token "
+                                              "does a prompt always compute, even when the tree already holds all "
+                                              "of it?")]) or
+                "The floor counts each prefix once; but which token does a prompt always compute, even when the tree "
+                "already holds all of it?"))
     return report(True, "")
 
 
@@ -83,6 +90,10 @@ def check_theorem(longest: int, computed_1: dict, preemptions_16: dict, broken: 
                              "num_slots=320, schedule=s) for s in ('fcfs', 'lpm'); give a dict {'fcfs': .., 'lpm': ..}.")
     if preemptions_16 != {s: want[16][s]["preemptions"] for s in want[16]}:
         return report(False, "measure stats['preemptions'] the same way with max_new_tokens=16.")
-    return report(broken == "c", "each number tests one choice: does the longest request fit in 320 slots? With "
+    return report(broken == "c", likely_mistake(broken, [
+        ("a", "with 1 output token lpm computes no more than fcfs: its depth-first order still pays off. What do "
+              "16 output tokens add?"),
+        ("b", f"the longest request needs {longest} slots, under the pool's 320: that assumption holds.")]) or
+        "each number tests one choice: does the longest request fit in 320 slots? With "
                                  "1 output token, does lpm's order still lose? What takes slots in the 16-token "
                                  "run that the theorem does not count?")

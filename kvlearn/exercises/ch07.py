@@ -4,7 +4,7 @@ policy, size a cache for real traffic, and measure what routing recovers of a po
 from functools import lru_cache
 from numbers import Integral
 
-from kvlearn.exercises import attempt, report
+from kvlearn.exercises import attempt, given, report
 
 NUM_REPLICAS = 6
 
@@ -41,14 +41,19 @@ def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_thresho
         if branch not in BRANCHES:
             return report(False, f"branch must be one of {', '.join(map(repr, BRANCHES))} (the keys of "
                                  f"result.router['decisions']), got {branch!r}.")
-        return report(False, f"{branch!r} sends a request where its prefix is cached, or to the least loaded replica "
-                             "when nothing matches: neither moves a request off the hot tenant's replica while that "
-                             "replica holds its prefix. Which branch is checked first, and when does it fire?")
-    result, error = attempt(lambda: simulate_fleet(
-        list(_hot_trace()), "cache_aware", NUM_REPLICAS, slots_per_replica=8192, cache_threshold=cache_threshold,
-        balance_abs_threshold=balance_abs_threshold, balance_rel_threshold=balance_rel_threshold))
-    if error:
-        return report(False, error)
+        return report(False, {
+            "cache_hit": "'cache_hit' sends a request where its prefix is cached: that is what piles the hot tenant onto "
+                         "one replica, not what should have moved it off. Which branch is checked first?",
+            "low_match": "'low_match' fires only when no replica holds enough of the prefix: the hot tenant's replica "
+                         "does hold it. Which branch is checked first, and when does it fire?"}[branch])
+    shown = given(cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
+                  balance_rel_threshold=balance_rel_threshold)
+    try:
+        result = simulate_fleet(list(_hot_trace()), "cache_aware", NUM_REPLICAS, slots_per_replica=8192,
+                                cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
+                                balance_rel_threshold=balance_rel_threshold)
+    except Exception as e:   # thresholds the policy refuses: say which, and why
+        return report(False, f"{shown}: {type(e).__name__}: {e}")
     least = _baseline("least_load")
     if result.hit_rate < least.hit_rate + 0.10:
         return report(False, f"hit rate {result.hit_rate:.1%} vs least_load's {least.hit_rate:.1%}: affinity gave up "
@@ -69,7 +74,7 @@ def check_policy(policy_class) -> bool:
 
     trace = multi_tenant_trace(300, num_tenants=4, system_tokens=(40, 80), output_tokens=(8, 48), mean_turns=4, rate=3,
                                seed=11)
-    policy, error = attempt(policy_class, NUM_REPLICAS)
+    policy, error = attempt(policy_class, NUM_REPLICAS, shown=given(num_replicas=NUM_REPLICAS))
     if error or not isinstance(policy, Policy):
         return report(False, error or "policy_class(num_replicas) must return a kvlearn Policy (subclass Policy).")
     where = {}   # session -> replicas its turns went to
@@ -79,7 +84,8 @@ def check_policy(policy_class) -> bool:
         inner(req, replica)
 
     policy.routed = routed
-    result, error = attempt(lambda: simulate_fleet(trace, policy, NUM_REPLICAS))
+    result, error = attempt(lambda: simulate_fleet(trace, policy, NUM_REPLICAS),
+                            shown=f"routing a multi-turn trace of {len(trace)} requests over {NUM_REPLICAS} replicas")
     if error:
         return report(False, error + " (choose must return a replica index in range(view.num_replicas)).")
     split = [s for s, replicas in where.items() if len(replicas) > 1]
@@ -110,7 +116,8 @@ def check_capacity(capacity_for) -> bool:
     from kvlearn.routing.replay import replay
 
     trace, best = _synthetic()
-    answer, error = attempt(capacity_for, trace, 0.9)
+    answer, error = attempt(capacity_for, trace, 0.9,
+                            shown=f"trace=the bundled synthetic Mooncake trace ({len(trace):,} requests), share=0.9")
     if error:
         return report(False, error)
     if isinstance(answer, bool) or not isinstance(answer, Integral) or answer < 0:
@@ -153,7 +160,8 @@ def check_routing_share(routing_share) -> bool:
     `pool_tokens = replicas * slots`. Checked on the first 200 requests of chapter 7's section-4
     trace, 4 replicas of 3,072 slots, within 0.01."""
     replicas, slots = 4, 3072
-    answer, error = attempt(routing_share, _pooled_trace(), replicas, slots)
+    answer, error = attempt(routing_share, _pooled_trace(), replicas, slots,
+                            shown=f"trace=the first 200 requests of section 4's trace, {given(replicas=replicas, slots=slots)}")
     if error:
         return report(False, error)
     if isinstance(answer, bool) or not isinstance(answer, (int, float)):

@@ -9,7 +9,8 @@ import MyBlockTable`).
 - `check_part(name, impl)` runs `kvlearn.parts.check` and prints the verdict the course counts
   ("OK, well done." or "Not yet: ..." with the report), and remembers it;
 - `use(name, impl)` is the part the chapter then drives: yours once `check_part` passed it, else the
-  package's, saying so, so a student copy runs top to bottom before the exercise is done;
+  package's, saying so, so a student copy runs top to bottom before the exercise is done; `credit`
+  words a result of that part with whose it is;
 - `earlier_part(name, attr)` is what a later part grows from (chapter 2's `class
   MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read afresh from
   my_parts/NAME.py, once it passes `kvlearn.parts.check`, else the package's, saying so, so the later
@@ -91,6 +92,17 @@ def use(name: str, impl):
     return package
 
 
+def credit(name: str, part, line: str) -> str:
+    """`line`, a result of the part `use(name, ...)` returned, saying whose part gave it: "your
+    attention: ..." or "the package's attention: ...; yours has not passed check yet", so that a
+    result of the package's stand-in never reads as yours."""
+    from kvlearn.parts import PARTS
+
+    if part is PARTS[name]:
+        return f"the package's {name}: {line}; yours has not passed check_part({name!r}, ...) yet"
+    return f"your {name}: {line}"
+
+
 def earlier_part(name: str, attr: str, folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S):
     """`attr` of your part `name` as saved in `folder/name.py`, if it passes `kvlearn.parts.check`
     (checked as `gather` checks, in a fresh process); else the package's part
@@ -167,23 +179,81 @@ def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
 
 
 def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> dict:
-    """Your parts for the engine: print the table of `gather_parts(folder, import_limit_s)` and return
-    {part name: your class or function} for the engine's parts that pass
-    (`kvlearn.serving.config.PART_MODES`); a part left out is the package's own (said)."""
+    """Your parts for the engine: print the table of `gather_parts(folder, import_limit_s)`, then
+    `serving_table` (whose part serves, and why), and return {part name: your class or function} for
+    the engine's parts that pass (`kvlearn.serving.config.PART_MODES`); a part left out is the
+    package's own."""
     from kvlearn.serving.config import PART_MODES
 
     rows = gather_parts(folder, import_limit_s)
     print(parts_table(rows))
     engine = {r.name: r.impl for r in rows if r.verdict == "yours" and r.name in PART_MODES}
-    package = [name for name in PART_MODES if name not in engine]
-    if package:
-        print(f"The engine uses the package's {', '.join(package)}.")
+    print(serving_table(rows, engine))
     if "decode_kernel" in engine:
         print("Your decode_kernel serves with attention_backend='triton' (slow in Triton's interpreter): "
               "Engine(..., attention_backend='triton', parts=parts_for(cache, parts, 'triton')).")
     if any(r.verdict == "fails check" for r in rows):
         print("A part that fails: its chapter's check_part cell prints the whole report, with a smallest example.")
     return engine
+
+
+def _inside(parts: dict, name: str) -> bool:
+    """Whether your block manager (in `parts`) builds on your part `name`: a class of
+    my_parts/NAME.py among its bases. The block table serves only that way."""
+    manager = parts.get("block_manager")
+    folder = getattr(manager, "__module__", "").rpartition(".")[0]
+    return any(cls.__module__ == f"{folder}.{name}" for cls in getattr(manager, "__mro__", ())[1:])
+
+
+def _serves(parts: dict, name: str) -> tuple[tuple[str, ...], bool]:
+    """(the cache modes part `name` serves in, whether yours serves there given `parts`): the engine
+    takes it by name, or, for the block table (never given alone), inside your block manager."""
+    from kvlearn.serving.config import PART_MODES
+
+    if name in PART_MODES:
+        return PART_MODES[name], name in parts
+    return ("blocks",), _inside(parts, name)
+
+
+def serving(rows: list[Gathered], parts: dict) -> list[tuple[str, bool, str]]:
+    """(part, whether yours serves, where or why not), one per row of `gather_parts`, for engines
+    given `parts` (what `gather` returns)."""
+    said = []
+    for row in rows:
+        modes, yours = _serves(parts, row.name)
+        engines = "both engines" if {"radix", "blocks"} <= set(modes) else f"the {' and '.join(modes)} engine"
+        if yours:
+            where = "inside your block_manager, " if row.name not in parts else ""
+            said.append((row.name, True, f"{where}in {engines}"))
+        elif row.verdict != "yours":
+            why = "yours is missing" if row.verdict == "missing" else "yours has not passed check yet"
+            said.append((row.name, False, why))
+        elif "block_manager" in parts:
+            said.append((row.name, False, f"your block_manager does not build on it: chapter 2's part starts with "
+                                          f"earlier_part({row.name!r}, {BUILD[row.name][1]!r})"))
+        else:
+            said.append((row.name, False, f"your {row.name} serves only inside a block manager: write chapter 2's "
+                                          "block_manager (it builds on yours) to use it"))
+    return said
+
+
+def serving_table(rows: list[Gathered], parts: dict) -> str:
+    """`serving(rows, parts)` as aligned text: which part serves, yours or the package's, and why."""
+    said = serving(rows, parts)
+    width = max(len(name) for name, _, _ in said)
+    whose = {True: "yours", False: "the package's"}
+    return "What serves:\n" + "\n".join(f"{name:<{width}}  {whose[yours]}: {why}" for name, yours, why in said)
+
+
+def parts_label(cache: str, parts: dict) -> str:
+    """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
+    yours that served in it ("radix, your radix_cache, attention"), "radix, all your parts" or
+    "radix, the package's parts"."""
+    used = [name for name in BUILD if cache in _serves(parts, name)[0] and (name != "decode_kernel" or name in parts)]
+    mine = [name for name in used if _serves(parts, name)[1]]
+    if not mine:
+        return f"{cache}, the package's parts"
+    return f"{cache}, all your parts" if mine == used else f"{cache}, your {', '.join(mine)}"
 
 
 def parts_for(cache: str, parts: dict, attention_backend: str = "auto") -> dict:

@@ -311,8 +311,8 @@ def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_mo
     check_fits(trace, replicas[0])
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(trace), desc=f"route {policy.name}", unit="req", leave=False, mininterval=0.5)
+        from kvlearn.progress import progress_bar
+        bar = progress_bar(total=len(trace), desc=f"route {policy.name}", unit="req", leave=False, mininterval=0.5)
     loop = FleetLoop(trace, policy, replicas, time_model or default_time_model(), keep_outputs, fast_forward, bar)
     start = time.perf_counter()
     loop.run()

@@ -239,9 +239,9 @@ class Engine:
             if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
                 self.reset_stats()
             self._queue(requests)
-            from tqdm.auto import tqdm   # here: a progress bar is its only use, and tqdm.auto looks for Jupyter
-            with tqdm(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
-                      leave=False, disable=not progress) as bar:
+            from kvlearn.progress import progress_bar   # here: a bar is its only use (tqdm.auto looks for Jupyter)
+            with progress_bar(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
+                              leave=False, disable=not progress) as bar:
                 try:
                     while any(r.status.live for r in requests):
                         self._step()

@@ -104,11 +104,11 @@ def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None, nb=None) 
 
 def run_course(paths: list[Path], timeout: int = 600, progress: bool = True) -> list[ChapterRun]:
     import nbformat
-    from tqdm import tqdm
+    from kvlearn.progress import progress_bar
 
     total = sum(c.cell_type == "code" for p in paths for c in nbformat.read(p, as_version=4).cells)
     runs = []
-    with tqdm(total=total, unit="cell", desc="course", disable=not progress) as bar:
+    with progress_bar(total=total, unit="cell", desc="course", disable=not progress) as bar:
         for path in paths:
             bar.set_postfix_str(path.stem)
             runs.append(run_notebook(path, timeout, on_cell=lambda: bar.update(1)))

@@ -21,7 +21,8 @@ reads MyRadixCache is solved, and so is every cell that reads what it computed. 
 solved cell that only changes an object an unsolved cell made (a method call on it); the notebooks
 keep what a solved cell computes in names of its own (tests/test_student.py checks the copies
 against names listed by hand). Every other cell (markdown, code, outputs) is copied unchanged.
-`python -m kvlearn student` writes the copies to student/.
+`python -m kvlearn student` writes the copies to student/, with student/figures/ where their cells
+write figures (never the course's figures/).
 """
 
 import argparse
@@ -236,13 +237,12 @@ def _stub(block: list[str], indent: str, cell: str) -> list[str]:
 
 
 def write_student_copies(src="notebooks", dest="student") -> list[Path]:
-    """Write the student copy of every `[0-9][0-9]_*.ipynb` in `src` to `dest`; return the paths.
-    Nothing is written if any notebook has a marker error, or if `dest` or any copy's path is a
-    symbolic link (dangling or not): writing through it could overwrite the instructor notebooks or
-    a file anywhere. Each copy is written to a new file that then replaces the old one, so a hard
-    link at that path is replaced, never written through. Nothing else needs copying: notebooks
-    write figures through `kvlearn.viz.plots.figures_dir()` (the nearest figures/ folder up the tree),
-    and their markdown links to `../figures/` resolve as long as `dest` sits next to `src`, as student/ does."""
+    """Write the student copy of every `[0-9][0-9]_*.ipynb` in `src` to `dest`, and `dest/figures/`
+    (`copy_figures`); return the notebooks' paths. Nothing is written if any notebook has a marker
+    error, or if `dest`, `dest/figures` or any copy's path is a symbolic link (dangling or not):
+    writing through it could overwrite the instructor notebooks or a file anywhere. Each copy is
+    written to a new file that then replaces the old one, so a hard link at that path is replaced,
+    never written through."""
     src, dest = Path(src), Path(dest)
     if not src.is_dir():
         raise (NotADirectoryError if src.exists() else FileNotFoundError)(
@@ -266,19 +266,37 @@ def write_student_copies(src="notebooks", dest="student") -> list[Path]:
             copies[dest / path.name] = student_copy(nbformat.read(path, as_version=4))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+    figures = dest / "figures"
+    if figures.is_symlink():
+        raise ValueError(f"{figures} is a symbolic link: refusing to write the copies' figures through it (it may "
+                         "point at the course's figures/); remove the link, then run again")
     dest.mkdir(parents=True, exist_ok=True)
     for path, nb in copies.items():
         replace_file(path, nbformat.writes(nb) + "\n")
+    copy_figures(src.resolve().parent / "figures", figures)
     return list(copies)
 
 
-def replace_file(path: Path, text: str) -> None:
-    """Write `text` to a new file in `path`'s folder, then rename it over `path` (which is replaced
-    itself, whatever it was: the rename never follows a link)."""
+def copy_figures(course: Path, figures: Path) -> Path:
+    """Make `figures` (student/figures/) a copy of the course's committed `course` folder. The copies'
+    cells write their figures through `kvlearn.viz.plots.figures_dir()`, the nearest figures/ folder
+    up from where they run: this one, so a learner's run never changes the course's tracked files,
+    and a cell that shows a committed figure (chapter 6's bench plot) finds it here. Each file is
+    written anew and renamed into place (a link there is replaced, never written through)."""
+    figures.mkdir(exist_ok=True)
+    for path in sorted(course.iterdir()) if course.is_dir() else []:
+        if path.is_file() and not path.name.startswith("."):
+            replace_file(figures / path.name, path.read_bytes())
+    return figures
+
+
+def replace_file(path: Path, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to a new file in `path`'s folder, then rename it over `path`
+    (which is replaced itself, whatever it was: the rename never follows a link)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.chmod(tmp, 0o644)  # mkstemp made it private
         os.replace(tmp, path)
     except BaseException:
