@@ -319,6 +319,9 @@ def serve_zygote() -> None:
         channel.write(line + "\n")
         channel.flush()
 
+    from kvlearn.kernels import interpret_here
+
+    interpret_here()   # the decode kernel's check, in Triton's interpreter where there is no GPU
     import kvlearn.parts.conformance   # noqa: F401  (the check, loaded once for every fork)
 
     say("ready")

@@ -224,6 +224,7 @@ def serving(rows: list[Gathered], parts: dict) -> list[tuple[str, bool, str]]:
         engines = "both engines" if {"radix", "blocks"} <= set(modes) else f"the {' and '.join(modes)} engine"
         if yours:
             where = "inside your block_manager, " if row.name not in parts else ""
+            where = "with attention_backend='triton' only, " if row.name == "decode_kernel" else where
             said.append((row.name, True, f"{where}in {engines}"))
         elif row.verdict != "yours":
             why = "yours is missing" if row.verdict == "missing" else "yours has not passed check yet"

@@ -25,6 +25,7 @@ importing it: `LazyKernel` imports its module when first used.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from importlib import import_module
 
@@ -34,6 +35,12 @@ from kvlearn.attention import paged_attention
 from kvlearn.errors import check_choice
 
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
+
+
+def interpret_here() -> None:
+    """Ask for Triton's interpreter where there is no GPU (it must come before triton's first import)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def triton_import_error() -> str | None:

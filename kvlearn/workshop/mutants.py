@@ -43,6 +43,7 @@ import nbformat
 import torch
 
 from kvlearn.exercises.parts import BUILD, save_part
+from kvlearn.kernels import interpret_here
 from kvlearn.parts import check
 from kvlearn.parts.conformance import SUITES
 from kvlearn.workshop.course import NOTEBOOKS
@@ -426,8 +427,7 @@ def main(argv=None) -> int:
     solutions = worked_solutions(args.notebooks)
     parts = args.part or [name for name in BUILD if name in solutions]
     if "decode_kernel" in parts:   # a Triton kernel: interpreted on a CPU, triton loaded once before the forks
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpret_here()
         import kvlearn.kernels.decode  # noqa: F401
     missing = [name for name in parts if name not in solutions]
     if missing:
