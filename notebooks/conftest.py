@@ -61,7 +61,7 @@ def student_folder(config: pytest.Config) -> Path:
         root = Path(config.stash[FOLDER].name)
         (root / "student").mkdir()
         copy_figures(ROOT / "figures", root / "student" / "figures")
-        copy_figures(ROOT / "figures", root / "instructor-figures")
+        copy_figures(ROOT / "figures", root / "instructor" / "figures")
     return Path(config.stash[FOLDER].name) / "student"
 
 
@@ -72,7 +72,7 @@ def pytest_runtest_setup(item):
     changed files are noted for "tracked files unchanged"."""
     if isinstance(item, IPyNbCell) and SNAPSHOT not in item.config.stash:
         item.config.stash[SNAPSHOT] = (changed_files(), os.environ.get(FIGURES_VARIABLE))
-        os.environ[FIGURES_VARIABLE] = str(student_folder(item.config).parent / "instructor-figures")
+        os.environ[FIGURES_VARIABLE] = str(student_folder(item.config).parent / "instructor" / "figures")
 
 
 def pytest_unconfigure(config):

@@ -43,9 +43,10 @@ def run_parts(version: str) -> list[tuple[str, object]]:
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for name, cls, body in part_cells(student_copy(nb) if version == "student" else nb):
-            save_part(name, body)
             namespace = {}
-            exec(compile(body, f"my_parts/{name}.py", "exec"), namespace)
+            # the saved file's own path: Triton reads a kernel's source through it (the same relative
+            # name in two tests' folders would hand a student's kernel the instructor's source)
+            exec(compile(body, str(save_part(name, body).resolve()), "exec"), namespace)
             parts.append((name, namespace[cls]))
     return parts
 

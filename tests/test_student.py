@@ -255,10 +255,12 @@ def test_a_hard_link_is_replaced_not_written_through(one_chapter):
     assert sorted(p.name for p in dest.iterdir()) == ["00_x.ipynb", "figures"]  # no temporary file left
 
 
-def test_the_copies_write_their_figures_under_dest_never_into_the_course(one_chapter):
+def test_the_copies_write_their_figures_under_dest_never_into_the_course(one_chapter, monkeypatch):
     """A copy's cells write figures where `figures_dir()` finds them from dest: dest/figures, a copy of
     the course's (so a cell that shows a committed figure finds it), not the course's figures/."""
     from kvlearn.viz.plots import figures_dir, save_figure
+
+    monkeypatch.delenv("KVLEARN_FIGURES", raising=False)   # set while make test runs the notebooks
 
     src, dest = one_chapter
     course = src.parent / "figures"

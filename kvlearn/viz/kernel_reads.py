@@ -98,7 +98,7 @@ def draw_kernel_reads(reads: KernelReads, title: str = "what each program of the
         grid[row, reads.expected(b, s)] = 1
         read = np.array(reads.slots[(b, g, s)], dtype=np.int64)
         grid[row, read] = np.where(grid[row, read] == 1, 2, 3)
-    colours = ["#ffffff", MASK["padding"], STATES["cached"], INK["path"]]
+    colours = [MASK["hidden (future)"], MASK["padding"], STATES["cached"], INK["path"]]
     fig, ax = plt.subplots(figsize=(min(14, max(6, reads.num_slots * 0.08)), 0.35 * len(programs) + 1.6))
     ax.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=3, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(len(programs)), [f"seq {b}, KV head {g}, split {s}" for b, g, s in programs], fontsize=8)
