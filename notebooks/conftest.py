@@ -60,6 +60,7 @@ def student_folder(config: pytest.Config) -> Path:
         config.stash[FOLDER] = tempfile.TemporaryDirectory(prefix="kvlearn-student-", dir=ROOT / "build")
         root = Path(config.stash[FOLDER].name)
         (root / "student").mkdir()
+        (root / "instructor").mkdir()
         copy_figures(ROOT / "figures", root / "student" / "figures")
         copy_figures(ROOT / "figures", root / "instructor" / "figures")
     return Path(config.stash[FOLDER].name) / "student"
