@@ -49,6 +49,10 @@ class Suite:
     def contract(self) -> type:
         return self.module.CONTRACT
 
+    @property
+    def judge(self) -> str:
+        return getattr(self.module, "JUDGE", "a brute-force reference")
+
 
 # In the registry's order.
 SUITES = {r.name: Suite(r, import_module(f"kvlearn.parts.suite_{r.name}")) for r in REGISTRY}
@@ -134,9 +138,8 @@ def check(name: str, impl, time_limit_s: float | None = None, programs: int | No
                 ops, outcome = _shrink(suite, impl, setup, ops, outcome, time_limit_s)
             return CheckReport(name, label, False, _failure(head, suite, i, programs, outcome, time_limit_s),
                                i + 1, calls, seconds)
-    judge = getattr(suite.module, "JUDGE", "a brute-force reference")
     return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.record.taught}): {programs} "
-                       f"random programs, {calls} calls, each judged by {judge}.\nIts calls took "
+                       f"random programs, {calls} calls, each judged by {suite.judge}.\nIts calls took "
                        f"{_seconds(seconds)} in all.", programs, calls, seconds)
 
 

@@ -267,7 +267,7 @@ def parts_page(chapters: list[str]) -> str:
                   f"check_part({name!r}, {attr})", "```", "",
                   f"**The contract**: `kvlearn.parts.{suite.contract.__name__}`, members {members}.", "",
                   _quoted(inspect.getdoc(suite.contract)), "",
-                  f"**What `check_part` judges** (by {getattr(suite.module, 'JUDGE', 'a brute-force reference')}):", "",
+                  f"**What `check_part` judges** (by {suite.judge}):", "",
                   _quoted(inspect.getdoc(suite.module))]
     return "\n".join(lines) + "\n"
 
