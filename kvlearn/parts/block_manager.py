@@ -1,19 +1,11 @@
-"""The `block_table` part (chapter 1) and the `block_manager` part (chapters 1-2).
+"""The `block_table` part (chapter 1) and the `block_manager` part (chapters 1-2), both built like
+`kvlearn.BlockManager`: `cls(num_blocks, block_size, enable_prefix_caching=..., allocator=...)`.
 
-`block_table`: block tables without prefix caching, built as `cls(num_blocks, block_size,
-enable_prefix_caching=False, allocator=allocator)`; a learner writes allocate / may_append /
-deallocate, slot_mapping and the capacity questions (the contract `BlockTablePart`). Nothing in the
-engine uses it: chapter 1 checks it and draws its tables, and chapter 2's part may grow from it.
-
-`block_manager`: block tables with hashed, shared prefix blocks. The engine's blocks mode builds it
-as `cls(num_blocks, block_size, enable_prefix_caching=True, allocator=pool.allocator)`, like
-`kvlearn.BlockManager`, and calls only the members of `BlockManagerPart`; pictures also read
-`blocks`, `is_cached` and `free_block_ids`. The checker also builds it with `hash_fn=` a chained
-hash that collides on purpose (`BlockManagerBase`'s constructor takes it as `self.hash_fn`). A
-learner adds the hash-chain lookup, hash_blocks and least-recently-freed reuse.
-
-`BlockManagerBase` (kvlearn/blocks_base.py, re-exported here; `kvlearn.BlockManager` inherits it too)
-holds the rest for both.
+`block_table` (prefix caching off) is checked and drawn in chapter 1 and serves no engine;
+`block_manager` serves the engine's blocks mode, which calls only the members of `BlockManagerPart`
+(pictures also read `blocks`, `is_cached` and `free_block_ids`). The checker also builds it with
+`hash_fn=`, a chained hash that collides on purpose. `BlockManagerBase` (kvlearn/blocks_base.py,
+re-exported here; `kvlearn.BlockManager` inherits it too) holds what the chapters do not teach.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The `scheduler` part (chapter 6): the step's decisions, admit, evict and preempt.
 
-The engine (and `SimEngine`) builds it as `cls(kv, max_batch_tokens, schedule, eos_token_ids,
-chunked_prefill=...)`, like `kvlearn.serving.scheduler.Scheduler`, and calls only the members of
-`SchedulerPart`; the model-free `SimEngine` also runs stretches of plain decode steps at once for a
-part built on `SchedulerBase` (`kvlearn.serving.fast_forward`), and steps any other part one step
-at a time. A learner writes `schedule()`: which running requests decode (preempting the
-newest when the KV manager has no slot; eviction happens inside the KV manager), which prompts
-already started compute their next chunk, and which waiting requests are admitted, in queue order,
-within the token budget (`SchedulerPart` lists the rules in the order the referee applies them).
-`kvlearn.serving.scheduler.SchedulerBase` (re-exported here) holds the rest: the queues, the report
-and the stats, the mechanics of a preemption and of an admission, and everything after the forward.
+The engine (and the model-free `SimEngine`, which fast-forwards plain decode steps of a part built on
+`SchedulerBase`) builds it like `kvlearn.serving.scheduler.Scheduler` and calls only the members of
+`SchedulerPart`. A learner writes `schedule()`; `SchedulerBase` (re-exported here) holds the rest:
+the queues, the report and the stats, the mechanics of a preemption and of an admission, and
+everything after the forward.
 """
 
 from __future__ import annotations
