@@ -110,9 +110,10 @@ def test_a_kernel_whose_output_is_not_finite_raises_a_part_error(tmp_path):
 
     broken = kernel_copy(tmp_path, "acc / tl.where(l > 0, l, 1.0)[:, None]", "acc / 0.0")
     attention = GUARDS["decode_kernel"](broken)
-    pool = KVPool(1, 1, 16, 32, device="cpu")
-    md = AttentionMetadata.build([1], [torch.arange(5)], device="cpu")   # a decode step: one new token
-    query, key = torch.randn(1, 3, 16), torch.randn(1, 1, 16)
+    device = suite_decode_kernel.DEVICE   # compiled kernels run on CUDA only, interpreted ones on the CPU
+    pool = KVPool(1, 1, 16, 32, device=device)
+    md = AttentionMetadata.build([1], [torch.arange(5)], device=device)   # a decode step: one new token
+    query, key = torch.randn(1, 3, 16, device=device), torch.randn(1, 1, 16, device=device)
     with pytest.raises(PartError, match=r"parts\['decode_kernel'\] \(decode_kernel\).*(NaN|inf) in its output"):
         attention(query, key, key, 0, pool, md)
 
