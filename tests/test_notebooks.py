@@ -4,6 +4,7 @@
 """
 
 import ast
+import os
 from pathlib import Path
 
 import nbformat
@@ -120,6 +121,27 @@ def test_record_refuses_a_loaded_machine_and_writes_nothing(tmp_path, monkeypatc
     line = record.record(nb)
     assert "not run, load 9.0" in line and nb.read_text() == before
     assert record.quiet(1.5, 2) and not record.quiet(1.51, 2)
+
+
+def test_a_failed_record_leaves_the_course_figures_as_they_were(tmp_path, monkeypatch):
+    """The cells write figures into a scratch copy that only a recorded run copies back."""
+    from kvlearn.workshop import record
+
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "kept.png").write_bytes(b"committed")
+    writes = ("from kvlearn.viz.plots import figures_dir\n"
+              "(figures_dir() / 'kept.png').write_bytes(b'changed')\n(figures_dir() / 'new.png').write_bytes(b'new')")
+    nb = tmp_path / "00_x.ipynb"
+    for last, written in (("1 / 0", False), ("1 + 1", True)):
+        cells = [nbformat.v4.new_code_cell(writes), nbformat.v4.new_code_cell(last)]
+        nb.write_text(nbformat.writes(nbformat.v4.new_notebook(cells=cells)))
+        monkeypatch.setattr(record, "load_average", lambda: 0.0)
+        monkeypatch.delenv("KVLEARN_FIGURES", raising=False)
+        line = record.record(nb)
+        assert ("recorded" in line) == written, line
+        assert (tmp_path / "figures" / "kept.png").read_bytes() == (b"changed" if written else b"committed")
+        assert (tmp_path / "figures" / "new.png").exists() == written
+        assert "KVLEARN_FIGURES" not in os.environ
 
 
 # A timing moves with whatever else the machine runs (a workshop laptop, `make test` with two

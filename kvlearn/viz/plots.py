@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+FIGURES_VARIABLE = "KVLEARN_FIGURES"
+
 
 def figures_dir(start: str | os.PathLike | None = None) -> Path:
     """The folder figures are written to, looked for from `start` (default: the current directory;
     see the module docstring); decided at call time."""
-    named = os.environ.get("KVLEARN_FIGURES", "").strip()
+    named = os.environ.get(FIGURES_VARIABLE, "").strip()
     if named:
         return Path(named).expanduser()
     here = Path.cwd() if start is None else Path(start).expanduser().absolute()

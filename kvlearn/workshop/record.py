@@ -6,8 +6,9 @@ notebook runs top to bottom in a fresh kernel (as `course` runs it); if every ce
 load average stayed at or below `MAX_LOAD_PER_CORE` per core, the notebook is written back with
 `metadata.kvlearn`: when it ran, the load average before and after, the cores, and the plain-read
 bandwidth measured just before (the yardstick that the course's speed figures are read against).
-A loaded or failed run writes nothing. `tests/test_notebooks.py` refuses a committed notebook
-whose record is missing or loaded.
+A loaded or failed run writes nothing, figures included: the cells write theirs into a scratch copy
+of the course's figures/, copied back only with the notebook. `tests/test_notebooks.py` refuses a
+committed notebook whose record is missing or loaded.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import tempfile
 from pathlib import Path
 
+from kvlearn.viz.plots import FIGURES_VARIABLE, figures_dir
 from kvlearn.workshop.course import chapter_notebooks, run_notebook
+from kvlearn.workshop.student import copy_figures
 
 MAX_LOAD_PER_CORE = 0.75  # 1.5 on the course's 2-core machines
 
@@ -41,12 +45,23 @@ def record(path: Path, timeout: int = 600) -> str:
     cores, before, bandwidth = os.cpu_count(), load_average(), round(plain_read_gb_s(), 1)
     if not quiet(before, cores):
         return f"{path.name}: not run, load {before} on {cores} cores (above {MAX_LOAD_PER_CORE} per core): wait for a quiet machine"
-    run = run_notebook(path, timeout, nb=nb)
-    after = load_average()
-    if not run.passed:
-        return f"{path.name}: FAIL {run.error}; nothing written"
-    if not quiet(after, cores):
-        return f"{path.name}: ran, but the load rose to {after} on {cores} cores; nothing written"
+    course = figures_dir(path.parent)
+    with tempfile.TemporaryDirectory(prefix="kvlearn-figures-") as scratch:
+        figures, previous = copy_figures(course, Path(scratch)), os.environ.get(FIGURES_VARIABLE)
+        os.environ[FIGURES_VARIABLE] = str(figures)   # the kernel inherits it
+        try:
+            run = run_notebook(path, timeout, nb=nb)
+        finally:
+            if previous is None:
+                del os.environ[FIGURES_VARIABLE]
+            else:
+                os.environ[FIGURES_VARIABLE] = previous
+        after = load_average()
+        if not run.passed:
+            return f"{path.name}: FAIL {run.error}; nothing written"
+        if not quiet(after, cores):
+            return f"{path.name}: ran, but the load rose to {after} on {cores} cores; nothing written"
+        copy_figures(figures, course)
     nb.metadata["kvlearn"] = {"executed": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                               "load_before": before, "load_after": after, "cores": cores,
                               "plain_read_gb_s": bandwidth}
