@@ -8,10 +8,13 @@ of a learner's parts, registered by `kvlearn/__init__`; this module imports noth
   its kind of manager (chapter 8's tiers: `kvlearn.tiers.make_tiered_kv`).
 - Part guards: a registered `table()` returns {part name: guard}, asked only when a learner's part
   is given (kvlearn.parts' `GUARDS`); `kvlearn.serving.part_registry.served` says what a guard returns.
+- Part records: a registered `records()` returns a later chapter's parts (`PartRecord`s: chapter 10's
+  quantizer), read once, when `kvlearn.serving.part_registry` builds its `REGISTRY`.
 """
 
 _FACTORIES: list = []
 _GUARD_TABLES: list = []
+_PART_RECORDS: list = []
 
 
 def _register(registry: list, hook, what: str) -> None:
@@ -47,3 +50,13 @@ def part_guard(name: str):
         if guard is not None:
             return guard
     return None
+
+
+def register_part_records(records) -> None:
+    """Add `records() -> [PartRecord, ...]` to the parts of kvlearn.serving.part_registry's `REGISTRY`."""
+    _register(_PART_RECORDS, records, "a list of part records ()")
+
+
+def part_records() -> list:
+    """The records of every registered `records()`, in order."""
+    return [record for records in _PART_RECORDS for record in records()]
