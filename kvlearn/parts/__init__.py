@@ -31,8 +31,8 @@ def _docs_table() -> str:
     """The end of this package's docstring: a markdown table of the parts, in the registry's order."""
     rows = [("name", "the package's", "taught in", "contract", "base for untaught bookkeeping")]
     for name, suite in SUITES.items():
-        package = suite.package   # a base shown is one of this package's (a learner may inherit it)
-        bases = [b.__name__ for b in getattr(package, "__bases__", ()) if b.__name__ in __all__] or ["(none)"]
+        package, bases = suite.package, [b.__name__ for b in getattr(suite.package, "__bases__", ()) if b.__name__
+                                         in __all__] or ["(none)"]   # a base of this package, for a learner
         rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.record.taught,
                      suite.contract.__name__, bases[0]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -328,8 +328,7 @@ def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int]
 
 
 def int8_row(row: list[float]) -> tuple[float, list[float]]:
-    """Chapter 10's int8 quantizer of one row, plainly in float64: its scale, absmax / 127 rounded to
-    float32, and each value's x / scale clamped to [-127, 127] (0 where the scale is 0), whose
-    nearest integer is the value's code (a tie: the even one)."""
+    """The int8 quantizer of one row (chapter 10), in float64: its scale, absmax / 127 rounded to float32, and
+    each value's x / scale clamped to [-127, 127] (0 if the scale is), whose nearest integer is its code."""
     scale = struct.unpack("f", struct.pack("f", max(map(abs, row)) / 127))[0]
     return scale, [max(-127.0, min(127.0, v / scale)) if scale else 0.0 for v in row]

@@ -8,11 +8,11 @@ import random
 
 import torch
 
-from kvlearn.parts.judge import Broken, Trace
+from kvlearn.parts.judge import Broken, Trace, shown
 from kvlearn.parts.quantizer import QuantizerPart
 from kvlearn.parts.references import int8_row
 
-CONTRACT, PROGRAMS = QuantizerPart, 100
+CONTRACT = QuantizerPart
 DTYPES, KINDS = (torch.float32, torch.bfloat16), ("random", "zero", "tie", "tiny")   # tiny: float32 only
 HINTS = {
     "codes": "quantize(x) returns (codes, scale) on x's device; codes are int8 (.to(torch.int8)), one per value of x.",
@@ -81,8 +81,7 @@ def run(impl, setup: dict, ops: list[int], trace: Trace) -> None:
             raise Broken(f"tokens {some} quantized alone got other codes or scales than in x", HINTS["local"])
         out = trace.call(f"quantizer.dequantize(codes, scale, {want})", quantizer.dequantize, *got, want)
         if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == want):
-            raise Broken(f"dequantize returned {getattr(out, 'dtype', out)} {getattr(out, 'shape', '')}",
-                         HINTS["dtype"])
+            raise Broken(f"dequantize(codes, scale, {want}) returned {shown(out)}", HINTS["dtype"])
         exact = got[0].double() * got[1].double()
         far = ((out.double() - exact.to(want)).abs() > torch.finfo(want).eps * exact.abs()).nonzero().tolist()
         if far:

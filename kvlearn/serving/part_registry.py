@@ -2,12 +2,10 @@
 
 A part is what a chapter's build exercise writes and the engine can serve in place of its own
 (kvlearn.parts). Read from `REGISTRY`, in its order: the cache modes each part serves
-(`kvlearn.serving.config.PART_MODES`), the conformance suites (`kvlearn.parts.SUITES`: each part's
-suite module `kvlearn.parts.suite_NAME` names its contract, the package's own part and what judges
-it), the package's parts (`kvlearn.parts.PARTS`, and the table in that package's docstring) and the
-build exercises (`kvlearn.exercises.parts.BUILD`). A part of chapters 1-6 is one line here, and its
-suite; a later chapter's comes in through chapter 6's hooks (`register_part_records`: kvlearn/__init__
-adds chapter 10's "quantizer", the int8 format's quantize and dequantize, served with kv_cache_dtype="int8").
+(`kvlearn.serving.config.PART_MODES`), the conformance suites (`kvlearn.parts.SUITES`), the package's
+parts (`kvlearn.parts.PARTS`) and the build exercises (`kvlearn.exercises.parts.BUILD`). A part is one
+line here and its suite, `kvlearn.parts.suite_NAME`; a later chapter's comes through chapter 6's hooks
+(`register_part_records`: chapter 10's "quantizer").
 
 `served(parts, name)` says what the engine serves as a part: the package's own as it is, a learner's
 only behind the guard kvlearn.parts registers for it (chapter 6's hooks, `kvlearn.serving.hooks`).
