@@ -15,6 +15,7 @@ from kvlearn.parts.references import int8_row
 CONTRACT = QuantizerPart
 DTYPES, KINDS = (torch.float32, torch.bfloat16), ("random", "zero", "tie", "tiny")   # tiny: float32 only
 HINTS = {
+    "quantize": "quantize(x) takes rows x [..., head_dim], float32 or bfloat16, and computes in float32 (x.float()).",
     "codes": "quantize(x) returns (codes, scale) on x's device; codes are int8 (.to(torch.int8)), one per value of x.",
     "scale_shape": "scale is float32 of shape [..., 1], one per row: amax(-1, keepdim=True) keeps the last dimension.",
     "per_row": "a row's scale is its own absmax / 127, in float32: x.float().abs().amax(-1, keepdim=True) / 127.",
