@@ -17,11 +17,11 @@ import MyBlockTable`).
   exercise can be written and checked before the earlier one is done;
 - `gather(folder)` (chapter 9) reads every saved part of chapters 1-6 afresh, checks it again and
   returns the ones that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make
-  course` prints the same table for the folder the chapters wrote). Chapter 10's quantizer, an
-  optional module after the capstone, is not gathered: it serves in its own chapter, with
-  kv_cache_dtype="int8", which chapter 9's engines do not use. Each part is imported and checked in a fresh
-  process with time limits, so a part that loops, exits or changes the check at import is a row of
-  the table, not a hung or broken call.
+  course` prints the same table for the folder the chapters wrote). Each part is imported and
+  checked in a fresh process with time limits, so a part that loops, exits or changes the check at
+  import is a row of the table, not a hung or broken call. Chapter 10's quantizer, an optional
+  module after the capstone, is not gathered: it serves in its own chapter, with
+  kv_cache_dtype="int8", which chapter 9's engines do not use.
 """
 
 from __future__ import annotations
@@ -144,14 +144,14 @@ class Gathered:
 
 
 def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> list[Gathered]:
-    """Check every part of the chapters before the capstone (`_offered`) saved in `folder` (my_parts/NAME.py,
-    read afresh: edits since the last import count); one row per part, in course order. Each part is imported and checked in a
-    fresh process of its own (`part_modules.Zygote`), killed when the import takes over
-    `import_limit_s` or the check over twice `check`'s limit, so no part can hang this call, end it,
-    or change the check of another; a part that passes is then imported here for the engine. A part's module may import an
-    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The
-    modules run in the folder's parent, the notebooks' folder they were written from, so
-    `earlier_part` in them reads the same folder."""
+    """Check every part of the chapters before the capstone (`_offered`) saved in `folder`
+    (my_parts/NAME.py, read afresh: edits since the last import count); one row per part, in course
+    order. Each part is imported and checked in a fresh process of its own (`part_modules.Zygote`),
+    killed when the import takes over `import_limit_s` or the check over twice `check`'s limit, so no
+    part can hang this call, end it, or change the check of another; a part that passes is then imported
+    here for the engine. A part's module may import an earlier one as `from my_parts.NAME import ...`
+    (the folder is the package `my_parts`). The modules run in the folder's parent, the notebooks'
+    folder they were written from, so `earlier_part` in them reads the same folder."""
     folder = Path(folder).resolve()
     part_modules.fresh_package(folder)
     with contextlib.chdir(folder.parent), part_modules.gather_verdicts():

@@ -31,10 +31,10 @@ def _docs_table() -> str:
     """The end of this package's docstring: a markdown table of the parts, in the registry's order."""
     rows = [("name", "the package's", "taught in", "contract", "base for untaught bookkeeping")]
     for name, suite in SUITES.items():
-        package, bases = suite.package, [b.__name__ for b in getattr(suite.package, "__bases__", ()) if b.__name__
-                                         in __all__] or ["(none)"]   # a base of this package, for a learner
+        package = suite.package   # its base, when a learner may inherit it too (one of this package's)
+        bases = [base.__name__ for base in getattr(package, "__bases__", ()) if base.__name__ in __all__]
         rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.record.taught,
-                     suite.contract.__name__, bases[0]))
+                     suite.contract.__name__, bases[0] if bases else "(none)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     rows.insert(1, tuple("-" * width for width in widths))
     return "\n".join("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows)
