@@ -2,15 +2,16 @@
 
 Names are imported lazily so that `import kvlearn` stays fast and does not pull in transformers
 until a chapter needs the model. Chapter 10's quantized KV formats reach the pool through chapter 4's
-`kvlearn.formats`, and chapter 8's tiers and the guards of a learner's parts
-(kvlearn.parts) reach the engine through chapter 6's hooks (`kvlearn.serving.hooks`), filled here;
-each is imported when first asked for (an engine built; a learner's part given), not before.
+`kvlearn.formats`, and chapter 8's tiers, the guards of a learner's parts (kvlearn.parts) and
+chapter 10's part, the quantizer, reach the engine through chapter 6's hooks (`kvlearn.serving.hooks`),
+filled here; each is imported when first asked for (an engine built; a learner's part given; the
+registry of parts read), not before.
 """
 
 from importlib import import_module
 
 from kvlearn.formats import register_kv_cache_dtype
-from kvlearn.serving.hooks import register_kv_factory, register_part_guards
+from kvlearn.serving.hooks import register_kv_factory, register_part_guards, register_part_records
 
 _EXPORTS = {
     "load_model": "model",
@@ -57,10 +58,20 @@ def _quantized(name: str):
     return make
 
 
+def _chapter_10_parts() -> list:
+    """Chapter 10's part: the int8 format's quantize and dequantize (kvlearn.parts.QuantizerPart)."""
+    from kvlearn.quant import Int8Format
+    from kvlearn.serving.cache_modes import CACHE_MODES
+    from kvlearn.serving.part_registry import PartRecord
+
+    return [PartRecord("quantizer", (10,), "MyQuantizer", CACHE_MODES, Int8Format)]
+
+
 for _name in ("fp8_e4m3", "int8"):   # kvlearn.quant.FORMATS
     register_kv_cache_dtype(_name, _quantized(_name))
 register_kv_factory(_tiered_kv)
 register_part_guards(_part_guards)
+register_part_records(_chapter_10_parts)
 
 
 def __getattr__(name):

@@ -67,18 +67,18 @@ class KVPool:
 
     `k[layer]` and `v[layer]` are `[num_slots, num_kv_heads, row]` views of it, in the format
     `self.format` of `kv_cache_dtype` ("auto": head_dim values in `dtype`); `bytes_per_token` counts scales.
-    `allocator` is the page allocator, built as `allocator_cls(num_pages, device=...)`: chapter 4's
-    `PageAllocator` when None, else exactly the class given (a learner's part, with the contract
-    `kvlearn.parts.AllocatorPart`; the engine gives it behind a guard). A pool larger than the
-    memory left on its device is refused (MemoryError, with an estimate) before anything is allocated.
-    With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs `n` to be a multiple
-    of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
+    `allocator` is the page allocator, built as `allocator_cls(num_pages, device=...)`: chapter 4's `PageAllocator`
+    when None, else exactly the class given (a learner's part, with the contract `kvlearn.parts.AllocatorPart`; the
+    engine gives it behind a guard); `format_cls(dtype, head_dim)`, if given, builds `format` (chapter 10: a learner's
+    quantizer, behind its guard). A pool larger than the memory left on its device is refused (MemoryError, with an
+    estimate) before anything is allocated. With `page_size > 1` the allocator works in whole pages: `alloc(n)` needs
+    `n` to be a multiple of `page_size` and returns the slots of `n // page_size` pages, each page `page_size`
     consecutive slots starting at a multiple of `page_size`; `free` takes back whole pages only.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
-                 allocator_cls=None, kv_cache_dtype: str = "auto"):
+                 allocator_cls=None, kv_cache_dtype: str = "auto", format_cls=None):
         check_choice("kv_cache_dtype", kv_cache_dtype, sorted(KV_CACHE_DTYPES))
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("num_slots", num_slots), ("page_size", page_size)):
@@ -89,9 +89,9 @@ class KVPool:
             raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size}): "
                              f"use {num_slots - num_slots % page_size or page_size}.")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_slots, self.page_size, self.dtype = num_slots, page_size, dtype
+        self.num_slots, self.page_size, self.dtype, self.kv_cache_dtype = num_slots, page_size, dtype, kv_cache_dtype
         self.device = resolve_device(device)
-        self.kv_cache_dtype, self.format = kv_cache_dtype, KV_CACHE_DTYPES[kv_cache_dtype](dtype, head_dim)
+        self.format = (format_cls or KV_CACHE_DTYPES[kv_cache_dtype])(dtype, head_dim)
         # The chapter-0 count, over a row; query heads do not change KV size, so one per KV head.
         shape = KVConfig("KVPool", "MHA", num_layers, num_kv_heads, num_kv_heads, self.format.row)
         self.bytes_per_token = kv_bytes_per_token(shape, self.format.dtype)
@@ -108,7 +108,7 @@ class KVPool:
     @classmethod
     def for_model(cls, config, num_slots: int | None = None, memory_budget_bytes: int | None = None,
                   dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
-                  allocator_cls=None, kv_cache_dtype: str = "auto") -> "KVPool":
+                  allocator_cls=None, kv_cache_dtype: str = "auto", format_cls=None) -> "KVPool":
         """A pool shaped for `config` (transformers config or `kvlearn.memory.KVConfig`), sized by
         exactly one of `num_slots` or `memory_budget_bytes` (whole pages that fit the budget)."""
         if (num_slots is None) == (memory_budget_bytes is None):
@@ -120,7 +120,8 @@ class KVPool:
         if memory_budget_bytes is not None:
             num_slots = cls.slots_for_budget(cfg, memory_budget_bytes, dtype, page_size, kv_cache_dtype)
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_slots, dtype=dtype, device=device,
-                   page_size=page_size, allocator_cls=allocator_cls, kv_cache_dtype=kv_cache_dtype)
+                   page_size=page_size, allocator_cls=allocator_cls, kv_cache_dtype=kv_cache_dtype,
+                   format_cls=format_cls)
 
     @staticmethod
     def slots_for_budget(config, memory_budget_bytes: int, dtype: torch.dtype = torch.float32,

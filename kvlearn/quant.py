@@ -58,20 +58,34 @@ class AbsmaxFormat:
         return (codes.float() * scale).to(dtype)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale = self.quantize(x)
-        rows = torch.empty(*x.shape[:-1], self.row, dtype=torch.uint8, device=x.device)
+        return self.pack(*self.quantize(x))
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize(*self.unpack(rows), dtype)
+
+    def pack(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Rows [..., row] of uint8: a row's code bytes, then its scale's 4 bytes."""
+        rows = torch.empty(*codes.shape[:-1], self.row, dtype=torch.uint8, device=codes.device)
         rows[..., :self.head_dim] = codes.view(torch.uint8)
         rows[..., self.head_dim:] = scale.view(torch.uint8)
         return rows
 
-    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        codes = rows[..., :self.head_dim].view(self.code_dtype)
-        return self.dequantize(codes, rows[..., self.head_dim:].view(torch.float32), dtype)
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) of rows, views of their bytes."""
+        return rows[..., :self.head_dim].view(self.code_dtype), rows[..., self.head_dim:].view(torch.float32)
 
 
-def int8_format(dtype, head_dim: int) -> AbsmaxFormat:
+class Int8Format(AbsmaxFormat):
+    """kv_cache_dtype "int8": symmetric absmax per token and KV head. Its `quantize` and `dequantize`
+    are chapter 10's part "quantizer" (kvlearn.parts.QuantizerPart), built as `Int8Format(head_dim)`."""
+
+    def __init__(self, head_dim: int):
+        super().__init__(head_dim, torch.int8, 127.0, rounds=True)
+
+
+def int8_format(dtype, head_dim: int) -> Int8Format:
     """kv_cache_dtype "int8": symmetric absmax per token and KV head."""
-    return AbsmaxFormat(head_dim, torch.int8, 127.0, rounds=True)
+    return Int8Format(head_dim)
 
 
 def fp8_e4m3_format(dtype, head_dim: int) -> AbsmaxFormat:

@@ -15,11 +15,13 @@ import MyBlockTable`).
   MyBlockManager(earlier_part("block_table", "MyBlockTable"))`): your earlier part, read afresh from
   my_parts/NAME.py, once it passes `kvlearn.parts.check`, else the package's, saying so, so the later
   exercise can be written and checked before the earlier one is done;
-- `gather(folder)` (chapter 9) reads every saved part afresh, checks it again and returns the ones
-  that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make course` prints
-  the same table for the folder the chapters wrote). Each part is imported and checked in a fresh
-  process with time limits, so a part that loops, exits or changes the check at import is a row of
-  the table, not a hung or broken call.
+- `gather(folder)` (chapter 9) reads every saved part of chapters 1-6 afresh, checks it again and
+  returns the ones that pass, for `Engine(..., parts=...)`, printing a table of all of them (`make
+  course` prints the same table for the folder the chapters wrote). Each part is imported and
+  checked in a fresh process with time limits, so a part that loops, exits or changes the check at
+  import is a row of the table, not a hung or broken call. Chapter 10's quantizer, an optional
+  module after the capstone, is not gathered: it serves in its own chapter, with
+  kv_cache_dtype="int8", which chapter 9's engines do not use.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ _passed: dict[str, object] = {}   # part name -> the impl that last passed check
 
 # The build exercises in course order: part name -> (chapter, the name its %%part cell defines).
 BUILD = {part.name: (part.chapter, part.exercise) for part in REGISTRY}
+CAPSTONE = 9   # the chapter that gathers the parts of the chapters before it
 
 
 def save_part(name: str, source: str, folder: str | Path = FOLDER) -> Path:
@@ -141,14 +144,14 @@ class Gathered:
 
 
 def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) -> list[Gathered]:
-    """Check every part of BUILD saved in `folder` (my_parts/NAME.py, read afresh: edits since the
-    last import count); one row per part, in course order. Each part is imported and checked in a
-    fresh process of its own (`part_modules.Zygote`), killed when the import takes over
-    `import_limit_s` or the check over twice `check`'s limit, so no part can hang this call, end it,
-    or change the check of another; a part that passes is then imported here for the engine. A part's module may import an
-    earlier one as `from my_parts.NAME import ...` (the folder is the package `my_parts`). The
-    modules run in the folder's parent, the notebooks' folder they were written from, so
-    `earlier_part` in them reads the same folder."""
+    """Check every part of the chapters before the capstone (`_offered`) saved in `folder`
+    (my_parts/NAME.py, read afresh: edits since the last import count); one row per part, in course
+    order. Each part is imported and checked in a fresh process of its own (`part_modules.Zygote`),
+    killed when the import takes over `import_limit_s` or the check over twice `check`'s limit, so no
+    part can hang this call, end it, or change the check of another; a part that passes is then imported
+    here for the engine. A part's module may import an earlier one as `from my_parts.NAME import ...`
+    (the folder is the package `my_parts`). The modules run in the folder's parent, the notebooks'
+    folder they were written from, so `earlier_part` in them reads the same folder."""
     folder = Path(folder).resolve()
     part_modules.fresh_package(folder)
     with contextlib.chdir(folder.parent), part_modules.gather_verdicts():
@@ -157,9 +160,10 @@ def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIM
 
 
 def _offered(name: str, folder: Path) -> bool:
-    """Every part is gathered, but chapter 5's decode kernel only once it is saved and Triton imports."""
+    """The parts of the chapters before the capstone (chapter 9) are gathered, chapter 5's decode kernel
+    only once it is saved and Triton imports."""
     if name != "decode_kernel":
-        return True
+        return BUILD[name][0] < CAPSTONE
     from kvlearn.kernels import triton_import_error
 
     return part_path(name, folder).is_file() and triton_import_error() is None
@@ -250,7 +254,8 @@ def parts_label(cache: str, parts: dict) -> str:
     """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
     yours that served in it ("radix, your radix_cache, attention"), "radix, all your parts" or
     "radix, the package's parts"."""
-    used = [name for name in BUILD if cache in _serves(parts, name)[0] and (name != "decode_kernel" or name in parts)]
+    used = [name for name in BUILD if cache in _serves(parts, name)[0] and BUILD[name][0] < CAPSTONE
+            and (name != "decode_kernel" or name in parts)]
     mine = [name for name in used if _serves(parts, name)[1]]
     if not mine:
         return f"{cache}, the package's parts"

@@ -19,6 +19,7 @@ from kvlearn.parts.attention import AttentionPart
 from kvlearn.parts.block_manager import BlockManagerBase, BlockManagerPart, BlockTablePart
 from kvlearn.parts.conformance import SUITES, CheckReport, check
 from kvlearn.parts.decode_kernel import DecodeKernelPart
+from kvlearn.parts.quantizer import QuantizerPart
 from kvlearn.parts.radix_cache import RadixCacheBase, RadixCachePart, RadixNode
 from kvlearn.parts.scheduler import SchedulerBase, SchedulerPart
 
@@ -30,17 +31,18 @@ def _docs_table() -> str:
     """The end of this package's docstring: a markdown table of the parts, in the registry's order."""
     rows = [("name", "the package's", "taught in", "contract", "base for untaught bookkeeping")]
     for name, suite in SUITES.items():
-        package, bases = suite.package, getattr(suite.package, "__bases__", ())
+        package = suite.package   # its base, when a learner may inherit it too (one of this package's)
+        bases = [base.__name__ for base in getattr(package, "__bases__", ()) if base.__name__ in __all__]
         rows.append((f'"{name}"', f"{package.__module__}.{package.__qualname__}", suite.record.taught,
-                     suite.contract.__name__, bases[0].__name__ if bases else "(none: a function)"))
+                     suite.contract.__name__, bases[0] if bases else "(none)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     rows.insert(1, tuple("-" * width for width in widths))
     return "\n".join("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows)
 
 
-if __doc__ is not None:   # python -OO drops docstrings
-    __doc__ += _docs_table() + "\n"
-
 __all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart",
            "BlockTablePart", "BlockManagerPart", "BlockManagerBase", "RadixCachePart", "RadixCacheBase", "RadixNode",
-           "SchedulerPart", "SchedulerBase"]
+           "SchedulerPart", "SchedulerBase", "QuantizerPart"]
+
+if __doc__ is not None:   # python -OO drops docstrings
+    __doc__ += _docs_table() + "\n"

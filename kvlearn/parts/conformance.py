@@ -89,6 +89,21 @@ def missing_members(contract: type, impl) -> list[str]:
     return [m for m in contract_members(contract) if not _has(impl, m)] if inspect.isclass(impl) else []
 
 
+def checked(name: str, part):
+    """`part` when it has every member of its contract (a function: when it is no class), else TypeError."""
+    if name == "attention" and isinstance(part, type):
+        raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
+                        f"{part.__qualname__}.")
+    contract = SUITES[name].contract
+    missing = missing_members(contract, part)
+    if missing:
+        raise TypeError(f"parts[{name!r}] ({part.__qualname__}) lacks {', '.join(missing)}: the {name} contract "
+                        f"(kvlearn.parts.{contract.__name__}) lists them; write each one (help(kvlearn.parts."
+                        f"{contract.__name__})), then check the part with kvlearn.parts.check({name!r}, "
+                        f"{part.__qualname__}).")
+    return part
+
+
 def _has(cls: type, member: str) -> bool:
     try:
         inspect.getattr_static(cls, member)

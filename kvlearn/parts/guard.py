@@ -1,5 +1,4 @@
-"""Trust but verify: how a learner's part serves in the engine (`GUARDS`, the table chapter 6's hook
-reads: `kvlearn.serving.part_registry.served`; `kvlearn/__init__` registers it).
+"""Trust but verify: how a learner's part serves in the engine (`GUARDS`, read by chapter 6's hook).
 
 A part serves behind thin checks at its boundary: the types, lengths and ranges of its answers, and
 the ownership of the slots it hands out (a page handed out is not held; a match's slots are distinct
@@ -18,23 +17,12 @@ import torch
 from kvlearn.device import resolve_device
 from kvlearn.errors import KVCapacityError, PartError
 from kvlearn.kernels import stage1_attention
-from kvlearn.parts.conformance import SUITES, missing_members
+from kvlearn.parts.conformance import SUITES, checked
+from kvlearn.parts.judge import shown
+from kvlearn.parts.suite_quantizer import HINTS, answer_problem
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import BlockKV, RadixKV
 from kvlearn.serving.kv_manager import DEFAULT_MAX_REQUESTS
-
-
-def shown(value, edge: int = 8) -> str:
-    """A short picture of a part's answer (a long list: its ends)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 1 or value.is_floating_point():
-            return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        inner = items if len(items) <= 2 * edge else items[:edge] + ["..."] + items[-edge:]
-        return f"[{', '.join(map(str, inner))}] ({len(items)} items)"
-    return f"{type(value).__name__} {value!r}"[:200]
 
 
 class Guard:
@@ -275,19 +263,29 @@ class GuardedBlockKV(Guarded, BlockKV):
         self.manager = self.guard = BlockManagerGuard(block_manager, pool)
 
 
-def checked(name: str, part):
-    """`part` when it has every member of its contract (a function: when it is no class), else TypeError."""
-    if name == "attention" and isinstance(part, type):
-        raise TypeError(f"parts['attention'] is a function like kvlearn.attention.paged_attention, got the class "
-                        f"{part.__qualname__}.")
-    contract = SUITES[name].contract
-    missing = missing_members(contract, part)
-    if missing:
-        raise TypeError(f"parts[{name!r}] ({part.__qualname__}) lacks {', '.join(missing)}: the {name} contract "
-                        f"(kvlearn.parts.{contract.__name__}) lists them; write each one (help(kvlearn.parts."
-                        f"{contract.__name__})), then check the part with kvlearn.parts.check({name!r}, "
-                        f"{part.__qualname__}).")
-    return part
+class QuantizerGuard(Guard):
+    """A learner's int8 quantizer as the pool's format (chapter 10): the "int8" format's bytes, its answers checked."""
+
+    name = "quantizer"
+
+    def __init__(self, part_cls, dtype: torch.dtype, head_dim: int):   # built as a format is (dtype: the model's)
+        super().__init__(part_cls(head_dim))
+        self.layout = SUITES["quantizer"].package(head_dim)   # the "int8" format: head_dim codes, the scale's bytes
+        self.dtype, self.row = self.layout.dtype, self.layout.row
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        what, rule = answer_problem(x, got := self.part.quantize(x)) or ("", "")
+        if what or not (torch.isfinite(got[1]) & (got[1] >= 0)).all():
+            self.fail(f"quantize(rows of shape {list(x.shape)})", what or "a scale that is NaN, inf or < 0",
+                      HINTS[rule] if what else "a scale is finite and >= 0 (its row's absmax / 127)")
+        return self.layout.pack(*got)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out, shape = self.part.dequantize(*self.layout.unpack(rows), dtype), (*rows.shape[:-1], self.layout.head_dim)
+        if not (isinstance(out, torch.Tensor) and (out.shape, out.dtype) == (shape, dtype) and out.isfinite().all()):
+            self.fail(f"dequantize(codes of shape {list(shape)}, scale, {dtype})", shown(out),
+                      f"{HINTS['dtype']} (finite)")
+        return out
 
 
 GUARDS = {
@@ -297,4 +295,5 @@ GUARDS = {
     "radix_cache": lambda part: partial(GuardedRadixKV, checked("radix_cache", part)),
     "block_manager": lambda part: partial(GuardedBlockKV, checked("block_manager", part)),
     "scheduler": lambda part: checked("scheduler", part),
+    "quantizer": lambda part: partial(QuantizerGuard, checked("quantizer", part)),
 }

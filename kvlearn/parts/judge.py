@@ -1,6 +1,7 @@
 """The verdict helpers of `check`: `Trace` (a program's calls of the part, as code a learner can
 read), the ways a run ends early (`Broken`: a rule broken, with its hint; `Raised`; `TimeUp`) and
-the suites' comparisons (`same`, `ints`, `number`).
+the suites' comparisons (`same`, `ints`, `number`); `shown`, a part's answer in a few words (also
+for the serving guard's messages).
 
 The time limit is the standard library's: `signal.setitimer` raises `TimeUp` in a call of the part
 that runs past `limit_s` (and every 0.1 s after, should the part swallow it). It works in the main
@@ -112,6 +113,19 @@ class Trace:
     def answer(self, note: str) -> None:
         """Add what the last call returned to its line."""
         self.lines[-1] += f"  -> {note}"
+
+
+def shown(value, edge: int = 8) -> str:
+    """A short picture of a part's answer (a long list: its ends)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1 or value.is_floating_point():
+            return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        inner = items if len(items) <= 2 * edge else items[:edge] + ["..."] + items[-edge:]
+        return f"[{', '.join(map(str, inner))}] ({len(items)} items)"
+    return f"{type(value).__name__} {value!r}"[:200]
 
 
 def describe(error: BaseException) -> str:

@@ -4,13 +4,14 @@ Each one keeps the state a chapter's structure stands for as plain Python data (
 prefixes, lists of free pages) and says what every call must return. Where the chapter leaves a
 choice open (where in a block table the new blocks go, which leaf a radix cache evicts among equally
 old ones), the reference takes the part's choice once it has checked it is one of the allowed ones,
-and goes on from there. Attention
-(chapter 5) is computed one query at a time, its keys read slot by slot. Used by
-`kvlearn.parts.check` and by the package's own property tests (tests/test_*_state_machine.py).
+and goes on from there. Attention (chapter 5) is computed one query at a time, its keys read slot
+by slot; the int8 quantizer (chapter 10) row by row, in float64. Used by `kvlearn.parts.check` and
+by the package's own property tests (tests/test_*_state_machine.py).
 """
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 
 import torch
@@ -324,3 +325,10 @@ def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int]
             out.append(torch.einsum("hk,khd->hd", weights, v))
             t += 1
     return torch.stack(out)
+
+
+def int8_row(row: list[float]) -> tuple[float, list[float]]:
+    """The int8 quantizer of one row (chapter 10), in float64: its scale, absmax / 127 rounded to float32, and
+    each value's x / scale clamped to [-127, 127] (0 if the scale is), whose nearest integer is its code."""
+    scale = struct.unpack("f", struct.pack("f", max(map(abs, row)) / 127))[0]
+    return scale, [max(-127.0, min(127.0, v / scale)) if scale else 0.0 for v in row]

@@ -107,6 +107,8 @@ class EngineConfig:
                                 f"{name}, got {type(part).__name__} {part!r}; the parts are {names}.")
             if self.cache not in PART_MODES[name]:
                 raise ValueError(f"parts[{name!r}] serves cache={PART_MODES[name][0]!r}, but cache={self.cache!r}.")
+            if name == "quantizer" and self.kv_cache_dtype != "int8":
+                raise ValueError(f"parts['quantizer'] serves kv_cache_dtype='int8', not {self.kv_cache_dtype!r}.")
             if name == "radix_cache" and self.tiered:
                 raise ValueError("parts['radix_cache'] cannot serve with tiers (host_slots, disk_dir): chapter 8's "
                                  "tree is the package's.")

@@ -82,11 +82,10 @@ class Engine:
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
-        # The pool checks its sizes (num_slots a multiple of page_size) before anything is built. A
-        # learner's part serves behind its guard (`served`; None: the package's own).
+        # The pool checks its sizes before anything is built; a learner's part serves behind its guard (`served`).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
                                      page_size=c.page_size, allocator_cls=served(c.parts, "allocator"),
-                                     kv_cache_dtype=c.kv_cache_dtype)
+                                     kv_cache_dtype=c.kv_cache_dtype, format_cls=served(c.parts, "quantizer"))
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_token_ids(model, tokenizer)

@@ -2,10 +2,10 @@
 
 A part is what a chapter's build exercise writes and the engine can serve in place of its own
 (kvlearn.parts). Read from `REGISTRY`, in its order: the cache modes each part serves
-(`kvlearn.serving.config.PART_MODES`), the conformance suites (`kvlearn.parts.SUITES`: each part's
-suite module `kvlearn.parts.suite_NAME` names its contract, the package's own part and what judges
-it), the package's parts (`kvlearn.parts.PARTS`, and the table in that package's docstring) and the
-build exercises (`kvlearn.exercises.parts.BUILD`). An eighth part is one line here, and its suite.
+(`kvlearn.serving.config.PART_MODES`), the conformance suites (`kvlearn.parts.SUITES`), the package's
+parts (`kvlearn.parts.PARTS`) and the build exercises (`kvlearn.exercises.parts.BUILD`). A part is one
+line here and its suite, `kvlearn.parts.suite_NAME`; a later chapter's comes through chapter 6's hooks
+(`register_part_records`: chapter 10's "quantizer").
 
 `served(parts, name)` says what the engine serves as a part: the package's own as it is, a learner's
 only behind the guard kvlearn.parts registers for it (chapter 6's hooks, `kvlearn.serving.hooks`).
@@ -21,7 +21,7 @@ from kvlearn.blocks import BlockManager
 from kvlearn.kernels import DECODE_KERNEL
 from kvlearn.radix import RadixCache
 from kvlearn.serving.cache_modes import CACHE_MODES
-from kvlearn.serving.hooks import part_guard
+from kvlearn.serving.hooks import part_guard, part_records
 from kvlearn.serving.scheduler import Scheduler
 
 
@@ -59,7 +59,7 @@ REGISTRY = (
     # Stage 1 of the Triton decode kernel (chapter 5's GPU section); serves with attention_backend="triton".
     PartRecord("decode_kernel", (5,), "my_decode_kernel", CACHE_MODES, DECODE_KERNEL),
     PartRecord("scheduler", (6,), "MyScheduler", CACHE_MODES, Scheduler),
-)
+) + tuple(part_records())
 RECORDS = {part.name: part for part in REGISTRY}
 
 

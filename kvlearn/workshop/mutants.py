@@ -1,6 +1,7 @@
 """`python -m kvlearn mutants`: how strong is each part's referee? Mutation testing of the worked solutions.
 
-The worked solutions are the `%%part NAME` cells of the instructor notebooks. Cosmic Ray's
+The worked solutions are the `%%part NAME` cells of the instructor notebooks (a part whose chapter has
+none yet: tests/data/mutants/NAME.py, the cell to be). Cosmic Ray's
 operators (comparisons and arithmetic swapped, numbers off by one, `and`/`or`, `break`/`continue`,
 `not` added, a loop made empty) make one mutant per change of a line inside a solution block
 (`### BEGIN SOLUTION` .. `### END SOLUTION`: the code a learner writes); each mutant is judged by
@@ -56,15 +57,22 @@ MEMORY_BYTES = 2 << 30   # a mutant may use this much memory beyond what the war
 
 # --- the worked solutions and their mutants -----------------------------------------------------
 
-def worked_solutions(folder: Path = NOTEBOOKS) -> dict[str, str]:
+def worked_solutions(folder: Path = NOTEBOOKS, waiting: Path = EQUIVALENTS) -> dict[str, str]:
     """Every `%%part NAME` cell of the chapter notebooks in `folder`: NAME -> the cell's code without
-    its magic line (the module a `%%part` cell saves)."""
+    its magic line (the module a `%%part` cell saves). A part whose chapter has no such cell yet keeps
+    its worked solution beside its listing, `waiting`/NAME.py (the cell's code, markers included);
+    ValueError when a part is in both places: the cell is the one, delete the file."""
     cells = {}
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:
             first, _, body = cell.source.partition("\n")
             if cell.cell_type == "code" and first.startswith("%%part "):
                 cells[first.split()[1]] = body
+    for path in sorted(waiting.glob("*.py")) if waiting.is_dir() else ():
+        if path.stem in cells:
+            raise ValueError(f"{path}: the worked solution of {path.stem} is a %%part cell of {folder} now: "
+                             "delete this file (and keep its mutants' listing).")
+        cells[path.stem] = path.read_text(encoding="utf-8")
     return cells
 
 
@@ -424,7 +432,7 @@ def main(argv=None) -> int:
     except ImportError:
         print(TOOL_HINT, file=sys.stderr)
         return 2
-    solutions = worked_solutions(args.notebooks)
+    solutions = worked_solutions(args.notebooks, args.equivalents)
     parts = args.part or [name for name in BUILD if name in solutions]
     if "decode_kernel" in parts:   # a Triton kernel: interpreted on a CPU, triton loaded once before the forks
         interpret_here()

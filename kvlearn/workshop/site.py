@@ -241,12 +241,14 @@ def parts_page(chapters: list[str]) -> str:
     from kvlearn.parts.conformance import SUITES, contract_members
 
     lines = ["# Check your parts", "",
-             "Chapters 1 to 6 each end with a *build exercise*: you write one part of the engine in a cell that "
+             "Chapters 1 to 6, and chapter 10's optional module, each end with a *build exercise*: you write one "
+             "part of the engine in a cell that "
              "starts with `%%part NAME`. The cell runs as usual and is also saved as "
              f"`{FOLDER}/NAME.py` beside the notebooks; `check_part(NAME, impl)` runs that part's conformance "
              "suite (random programs, each call judged against a reference, never against your own checks) and "
-             "prints `OK` or `Not yet` with the shortest failing program and a hint. Chapter 9 gathers every "
-             "saved part, checks each again and serves the model with the ones that pass.", "",
+             "prints `OK` or `Not yet` with the shortest failing program and a hint. Chapter 9 gathers the parts "
+             "of chapters 1 to 6, checks each again and serves the model with the ones that pass; chapter 10's "
+             "quantizer serves in its own chapter, with `kv_cache_dtype=\"int8\"`.", "",
              "From a shell, every part the chapters saved, checked again (one line each):", "",
              "```bash",
              ".venv/bin/python -c \"from kvlearn.exercises.parts import gather_parts, parts_table; "
