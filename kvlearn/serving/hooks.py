@@ -26,7 +26,11 @@ def register_kv_factory(factory) -> None:
 
 def registered_kv(options, pool, model):
     """The KV manager of the first registered factory that returns one, or None."""
-    return next((kv for kv in (factory(options, pool, model) for factory in _FACTORIES) if kv is not None), None)
+    for factory in _FACTORIES:
+        kv = factory(options, pool, model)
+        if kv is not None:
+            return kv
+    return None
 
 
 def register_part_guards(table) -> None:
@@ -36,7 +40,11 @@ def register_part_guards(table) -> None:
 
 def part_guard(name: str):
     """The guard of the first registered table that has one for the part `name`, or None."""
-    return next((guard for guard in (table().get(name) for table in _GUARD_TABLES) if guard is not None), None)
+    for table in _GUARD_TABLES:
+        guard = table().get(name)
+        if guard is not None:
+            return guard
+    return None
 
 
 def register_part_records(records) -> None:
