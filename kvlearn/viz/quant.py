@@ -30,7 +30,7 @@ def draw_kv_channels(k: torch.Tensor, v: torch.Tensor, title: str):
 def plot_quality_vs_bytes(rows: list[dict]):
     """Per format (`rows`: dicts with `label`, `bytes_per_token`, `ppl_change_pct`, `mean_kl` and
     `simulated`), mean KL to the exact distribution (left, log scale) and the perplexity change
-    (right) against bytes per token; stored formats and simulations in their own colours. A format
+    (right, linear within ±0.1 % and logarithmic beyond) against bytes per token; stored formats and simulations in their own colours. A format
     with no KL (the reference itself) is drawn on the right only."""
     import matplotlib.pyplot as plt
 
@@ -52,7 +52,10 @@ def plot_quality_vs_bytes(rows: list[dict]):
         ax.set_xlabel("KV bytes per token (log)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
+        ax.margins(y=0.12)   # room for the labels of the highest points
     left.set_yscale("log")
+    right.set_yscale("symlog", linthresh=0.1)   # linear within ±0.1 %, logarithmic beyond
+    right.set_ylabel("perplexity change (%, symmetric log)")
     right.axhline(0, color=INK["edge"], linewidth=0.8)
     right.legend(loc="upper right", frameon=False)
     fig.tight_layout()
