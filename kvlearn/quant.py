@@ -16,9 +16,11 @@ leave the format's range (saturation); int8's error is at most s/2 per value, fp
 relative step for values above its subnormals (|x| >= 2^-6 s).
 
 `perplexity_and_kl` measures what a format costs, teacher-forced through chapter 5's paged runner;
-`quality_table` does it for several formats (the first one the reference), e.g. over the README:
-`python -c 'import kvlearn; from kvlearn.quant import quality_table; m, t = kvlearn.load_model();
-print(*quality_table(m, t.encode(open("README.md").read())[:512]), sep="\\n")'`.
+`quality_table` does it for several formats (the first one the reference), e.g. over the chapter's
+frozen text: `python -c 'import kvlearn; from kvlearn.quant import HELD_OUT_TEXT, quality_table;
+m, t = kvlearn.load_model(); print(*quality_table(m, t.encode(HELD_OUT_TEXT)), sep="\\n")'`.
+`Rounding` and `simulated_attention` score layouts the pool does not store (int4 per token, KIVI's
+keys per channel) by rounding K and V as attention reads them: a simulation, said as such.
 The Triton kernels (`kvlearn.kernels`) and the fast path read the pool raw: the engine serves these
 formats with chapter 5's torch attention only (`EngineConfig` refuses the others).
 """
