@@ -16,9 +16,11 @@ leave the format's range (saturation); int8's error is at most s/2 per value, fp
 relative step for values above its subnormals (|x| >= 2^-6 s).
 
 `perplexity_and_kl` measures what a format costs, teacher-forced through chapter 5's paged runner;
-`quality_table` does it for several formats (the first one the reference), e.g. over the README:
-`python -c 'import kvlearn; from kvlearn.quant import quality_table; m, t = kvlearn.load_model();
-print(*quality_table(m, t.encode(open("README.md").read())[:512]), sep="\\n")'`.
+`quality_table` does it for several formats (the first one the reference), e.g. over the chapter's
+frozen text: `python -c 'import kvlearn; from kvlearn.quant import HELD_OUT_TEXT, quality_table;
+m, t = kvlearn.load_model(); print(*quality_table(m, t.encode(HELD_OUT_TEXT)), sep="\\n")'`.
+`Rounding` and `simulated_attention` score layouts the pool does not store (int4 per token, KIVI's
+keys per channel) by rounding K and V as attention reads them: a simulation, said as such.
 The Triton kernels (`kvlearn.kernels`) and the fast path read the pool raw: the engine serves these
 formats with chapter 5's torch attention only (`EngineConfig` refuses the others).
 """
@@ -28,7 +30,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
+from kvlearn.errors import check_positive_int
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 
@@ -97,23 +101,27 @@ FORMATS = {"fp8_e4m3": fp8_e4m3_format, "int8": int8_format}
 
 
 def perplexity_and_kl(model, token_ids: list[int], kv_cache_dtype: str, reference: torch.Tensor | None = None,
-                      chunk: int = 128) -> tuple[float, float | None, torch.Tensor]:
+                      chunk: int = 256, attention=None) -> tuple[float, float | None, torch.Tensor]:
     """Teacher-forced quality of a format through the paged runner: (perplexity of token_ids[1:],
     mean KL(reference || this) over positions or None without a reference, log-probs [n - 1, vocab]).
-    Position i's next-token distribution is the last-token logits of the sequence token_ids[:i + 1]:
-    each chunk runs as one packed step of one-token sequences that share the pool's slots, so every
-    query reads its context back from the (quantized) pool, as in serving."""
+    token_ids[:-1] are prefilled as one sequence, `chunk` tokens a step (chapter 6's chunked prefill),
+    keeping the logits of every position: each query reads its context, its own token included, back
+    from the (quantized) pool, as in serving. A row's encoding depends on that row alone, so the chunk
+    size changes nothing but float rounding. `attention`: chapter 5's (None) or a function with its
+    signature, such as `simulated_attention(...)`."""
     n = len(token_ids)
     if n < 2:
         raise ValueError(f"Need at least 2 tokens to score a next token, got {n}.")
+    check_positive_int("chunk", chunk)
     pool = KVPool.for_model(model.config, num_slots=n, dtype=model.dtype, device=model.device,
                             kv_cache_dtype=kv_cache_dtype)
-    runner, slots = ModelRunner(model, pool), pool.alloc(n)
+    runner, slots = ModelRunner(model, pool, attention=attention), pool.alloc(n)
     logps = []
-    for start in range(0, n - 1, chunk):
-        ends = range(start + 1, min(start + chunk, n - 1) + 1)
-        logits = runner.run([[token_ids[e - 1]] for e in ends], [slots[:e] for e in ends])
-        logps.append(torch.log_softmax(logits.double(), -1))
+    with runner.active():
+        for start in range(0, n - 1, chunk):
+            end = min(start + chunk, n - 1)
+            logits = runner.run([token_ids[start:end]], [slots[:end]], every_token=True)
+            logps.append(torch.log_softmax(logits.double(), -1))
     logp = torch.cat(logps)
     nll = -logp.gather(1, torch.tensor(token_ids[1:], device=logp.device)[:, None]).mean()
     kl = None if reference is None else float((reference.exp() * (reference - logp)).sum(-1).mean())
@@ -132,3 +140,144 @@ def quality_table(model, token_ids: list[int], names=("auto", "bfloat16", "fp8_e
         table.append({"kv_cache_dtype": name, "bytes_per_token": pool.bytes_per_token, "perplexity": round(ppl, 4),
                       "vs_reference_pct": round(100 * (ppl / ref_ppl - 1), 3), "mean_kl": round(kl, 6)})
     return table
+
+
+# --- Simulated layouts (int4 the KIVI way): rounded as attention reads, not stored ------------------
+#
+# The pool stores none of these yet. `Rounding` rounds K and V to `bits` and back in float32, the
+# way a layout would store them; `simulated_attention(rounding)` is chapter 5's attention over an
+# "auto" pool with each sequence's gathered context rounded just before SDPA, so perplexity_and_kl
+# can score a layout without a stored format.
+
+def round_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """x [..., head_dim] rounded to `bits` per row (one token of one KV head) and back. Symmetric:
+    codes in [-qmax, qmax], qmax = 2^(bits-1) - 1, scale absmax / qmax (for bits=8 exactly the
+    pool's "int8"). Asymmetric: codes in [0, 2^bits - 1] over [min, max] of the row."""
+    x = x.float()
+    if symmetric:
+        qmax = 2.0 ** (bits - 1) - 1
+        scale = x.abs().amax(-1, keepdim=True) / qmax
+        return (x / torch.where(scale > 0, scale, 1.0)).clamp(-qmax, qmax).round() * scale
+    return _round_asymmetric(x, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), bits)
+
+
+def round_per_channel(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """x [..., tokens, head_dim] rounded asymmetrically per channel, over groups of `group`
+    consecutive tokens (KIVI's keys): each channel of each group has its own [min, max]. The tokens
+    after the last whole group are returned as they are."""
+    x = x.float()
+    whole = x.shape[-2] // group * group
+    g = x[..., :whole, :].unflatten(-2, (whole // group, group))        # [..., groups, group, head_dim]
+    rounded = _round_asymmetric(g, g.amin(-2, keepdim=True), g.amax(-2, keepdim=True), bits).flatten(-3, -2)
+    return torch.cat([rounded, x[..., whole:, :]], dim=-2)
+
+
+def _round_asymmetric(x, lo, hi, bits):
+    levels = 2.0 ** bits - 1
+    scale = (hi - lo) / levels
+    q = ((x - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, levels)
+    return q * scale + lo
+
+
+class Rounding:
+    """A simulated layout: how K and V of a sequence's context are rounded.
+
+    keys: "token" (per token and KV head, over head_dim) or "channel" (per channel, over groups of
+    `group` tokens: KIVI); values are always per token. `symmetric` applies to per-token rounding
+    (per-channel is asymmetric). `window`: the tokens of a group not yet whole stay exact, as KIVI
+    keeps its newest tokens; required for keys per channel, whose scales need the whole group.
+    `bytes_per_token(num_layers, num_kv_heads, head_dim)`: what storing it would take, codes packed
+    `bits` to a value, float32 scales (and minimums) as the pool keeps them; the window is not counted."""
+
+    def __init__(self, bits: int = 4, keys: str = "token", symmetric: bool = True, window: bool = False,
+                 group: int = 32):
+        check_positive_int("bits", bits)
+        check_positive_int("group", group)
+        if keys not in ("token", "channel"):
+            raise ValueError(f"keys must be 'token' or 'channel', got {keys!r}.")
+        if keys == "channel" and not window:
+            raise ValueError("Keys per channel need the whole group of tokens for their scales: give window=True "
+                             "(the newest tokens, a group not yet whole, stay exact, as in KIVI).")
+        self.bits, self.keys, self.symmetric, self.window, self.group = bits, keys, symmetric, window, group
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, kv_heads, L, head_dim] of B sequences, rounded. cached [B]: tokens each sequence
+        had before this step; with `window`, only its whole groups among them are rounded, so no
+        rounded token's scale depends on a later token."""
+        k_round = (round_per_channel(k, self.bits, self.group) if self.keys == "channel"
+                   else round_per_token(k, self.bits, self.symmetric))
+        v_round = round_per_token(v, self.bits, self.symmetric)
+        if not self.window:
+            return k_round, v_round
+        rounded = torch.arange(k.shape[2], device=k.device)[None, :] < (cached // self.group * self.group)[:, None]
+        rounded = rounded[:, None, :, None]
+        return torch.where(rounded, k_round, k.float()), torch.where(rounded, v_round, v.float())
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        codes = head_dim * self.bits / 8
+        per_token = SCALE_BYTES * (1 if self.symmetric else 2)           # scale (and minimum) of a row
+        per_channel = 2 * SCALE_BYTES * head_dim / self.group            # a channel's scale and minimum, per token
+        k = codes + (per_channel if self.keys == "channel" else per_token)
+        return math.ceil(num_layers * num_kv_heads * (k + codes + per_token))
+
+    def __repr__(self) -> str:
+        keys = f"keys per channel in groups of {self.group}" if self.keys == "channel" else "keys per token"
+        kind = "asymmetric" if self.keys == "channel" or not self.symmetric else "symmetric"
+        return f"Rounding(int{self.bits}, {keys}, values per token, {kind}{', window' if self.window else ''})"
+
+
+def simulated_attention(rounding: Rounding):
+    """Chapter 5's paged attention (signature of `kvlearn.attention.paged_attention`) over an "auto"
+    pool, with each sequence's gathered K and V passed through `rounding` before SDPA. With a window,
+    give perplexity_and_kl chunk=rounding.group, so each step is one group and every query sees its
+    own group exact (a larger chunk rounds groups that some of its queries saw before they were whole)."""
+    def attention(query, key, value, layer, kv_pool, md, scale=None):
+        kv_pool.write(layer, md.slot_mapping, key, value)
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        k, v = (_context(c, md.kv_indices, query.dtype) for c in (kv_pool.k[layer], kv_pool.v[layer]))
+        query_lens = torch.diff(md.last_token, prepend=md.last_token.new_tensor([-1]))
+        k, v = rounding(k, v, md.kv_lens - query_lens)
+        q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=md.mask, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, *query.shape[1:])[md.query_slots]
+    attention.__qualname__ = f"simulated_attention({rounding!r})"
+    return attention
+
+
+def _context(cache, indices, dtype):
+    """cache[indices] for [B, L] slot indices, as [B, kv_heads, L, head_dim] (an "auto" pool's rows)."""
+    return cache.index_select(0, indices.reshape(-1)).to(dtype).view(*indices.shape, *cache.shape[1:]).transpose(1, 2)
+
+
+# A fixed text to score the formats on (chapter 10): written for this course, so the model has not
+# seen it, and frozen here, so the chapter's figures change only when the model or a format does.
+HELD_OUT_TEXT = """\
+The ferry to the island leaves twice a day, once at seven in the morning and once at four in the \
+afternoon. In winter the afternoon crossing is often cancelled, because the wind turns around the \
+headland and the harbour master will not let a small boat out into it. People who live on the island \
+plan their weeks around those two departures. A doctor's appointment on the mainland means a night in \
+a guest house; a broken window means a list, a phone call, and three days of cardboard.
+
+The island has one shop, one school with eleven pupils, and a post office that opens on Tuesdays and \
+Fridays. The shop keeps a notebook behind the counter. Anyone can write in it what they need from the \
+mainland, and whoever takes the morning ferry buys what they can carry. Nobody remembers who started \
+the notebook. The oldest pages are in pencil and list paraffin, rope, and seed potatoes; the newest ask \
+for printer ink, a bicycle chain, and a charger for a particular kind of phone.
+
+Summer is different. From June to September the ferry runs six times a day and the population triples. \
+Visitors come for the cliffs, the birds, and the long beach on the western side, where the sand is pale \
+and the water is colder than anyone expects. The shop stocks sun cream and postcards, the school \
+becomes a café, and the harbour fills with yachts whose owners ask, politely and repeatedly, where they \
+can buy fresh bread. The answer is nowhere, unless you know whose kitchen to knock at.
+
+The islanders are patient with all of this. They know the visitors pay for the new pier and the \
+doctor's monthly visit, and that in October the crowds will leave as suddenly as they came. Then the \
+evenings grow dark early, the notebook fills up again, and the ferry's horn at four o'clock becomes the \
+sound that tells everyone the day is nearly over.
+
+A teacher who moved to the island last year said that the hardest thing to learn was not the weather \
+or the quiet, but the timing. On the mainland, she said, you can always fix a mistake tomorrow. Here \
+you fix it when the boat comes, and the boat comes when the sea allows. She now keeps a spare of \
+everything: two kettles, two torches, a second pair of boots by the door. Her pupils find this very \
+funny. Their parents do exactly the same."""

@@ -87,19 +87,22 @@ class ModelRunner:
         float logits of each sequence's last new token."""
         return self.run(input_ids, self._check(input_ids, kv_indices))
 
-    def run(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor], every_token: bool = False) -> torch.Tensor:
         """`forward` without the checks, for callers that built valid input themselves (the engine's
         scheduler): token ids in the vocabulary, int64 slot tensors on the pool's device that are
-        allocated, with fresh slots for the new tokens."""
+        allocated, with fresh slots for the new tokens. `every_token`: the logits of every new token,
+        [T, vocab] in the packed row's order, instead of each sequence's last (teacher forcing, chapter 10)."""
         query_lens = [len(ids) for ids in input_ids]
         ids = torch.tensor([t for seq in input_ids for t in seq], dtype=torch.int64, device=self.pool.device)
         if self.model_forward is not None:
+            if every_token:
+                raise ValueError("every_token needs the model's own forward: model_forward returns last-token logits only.")
             return self.model_forward(ids, query_lens, kv_indices, self.pool)
         md = AttentionMetadata.build(query_lens, kv_indices, device=self.pool.device)
         with torch.no_grad(), self.active():  # a no-op inside the caller's session
             out = self.model(input_ids=ids[None], position_ids=md.positions[None], use_cache=False,
-                             logits_to_keep=md.last_token, kv_pool=self.pool, attn_metadata=md,
-                             attention_fn=self.attention)
+                             logits_to_keep=0 if every_token else md.last_token, kv_pool=self.pool,
+                             attn_metadata=md, attention_fn=self.attention)
         return out.logits[0].float()
 
     def _check(self, input_ids, kv_indices) -> list[torch.Tensor]:

@@ -34,6 +34,9 @@ import pytest
 from nbval.plugin import IPyNbCell, IPyNbFile, find_comment_markers, find_metadata_tags
 
 CAPSTONE = "09"
+# Chapters whose student copy meets no checker: the capstone has no exercise of its own, and chapter
+# 10's exercise comes with its `quantizer` part (issue 47), not written yet.
+WITHOUT_CHECKERS = {CAPSTONE, "10"}
 CHAPTER = re.compile(r"\d\d_\w+\.ipynb")
 PART_CELL = re.compile(r"\A%%part (\w+)\n")
 USES_A_PART = re.compile(r"\buse\(")
@@ -183,7 +186,7 @@ class StudentVerdicts(pytest.Item):
                  for source, outs in cells]
         verdicts = [(source, text) for source, text in shown if OK in text or NOT_YET in text]
         assert not [text for _, text in verdicts if OK in text], "an exercise of the student copy is solved"
-        if run.chapter != CAPSTONE:   # the capstone has no exercise of its own
+        if run.chapter not in WITHOUT_CHECKERS:
             assert len(verdicts) >= 2, f"{len(verdicts)} checkers answered; every chapter has 2 or more"
         for source, _ in cells:
             part = PART_CELL.match(source)

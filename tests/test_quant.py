@@ -11,7 +11,8 @@ from hypothesis.extra.numpy import arrays
 from kvlearn import Engine, EngineConfig, KVPool
 from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig
-from kvlearn.quant import FORMATS, perplexity_and_kl
+from kvlearn.quant import (FORMATS, Rounding, perplexity_and_kl, round_per_channel, round_per_token,
+                           simulated_attention)
 
 QUANTIZED = sorted(FORMATS)
 D = 8   # head_dim of the property tests
@@ -157,3 +158,78 @@ def test_a_demoted_page_on_disk_is_smaller_with_int8_and_comes_back(model, token
     foreign = Engine(model, tokenizer, kv_cache_dtype="fp8_e4m3", num_slots=256, disk_dir=tmp_path / "int8")
     foreign.generate(two[:1], max_new_tokens=1)
     assert foreign.stats["loaded_from_disk_tokens"] == 0   # another format's bytes are never read as its own
+
+
+# --- simulated layouts (int4 the KIVI way) ----------------------------------------------------------
+
+def test_symmetric_rounding_per_token_at_8_bits_is_the_pools_int8():
+    x = torch.randn(5, 3, 64) * torch.logspace(-3, 3, 64)
+    x[2, 1] = 0.0
+    f = fmt("int8", 64)
+    assert torch.equal(round_per_token(x, 8, symmetric=True), f.decode(f.encode(x), torch.float32))
+
+
+@settings(max_examples=200)
+@given(x=rows)
+def test_asymmetric_rounding_is_within_half_a_step_and_keeps_min_and_max(x):
+    x = torch.from_numpy(x)
+    back = round_per_token(x, 4, symmetric=False)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    step = (hi - lo) / 15
+    assert ((back - x).abs() <= step / 2 + (hi - lo).abs() * 1e-6 + 1e-6).all()
+    assert torch.allclose(back.amin(-1, keepdim=True), lo, atol=1e-3) and torch.allclose(back.amax(-1, keepdim=True), hi, atol=1e-3)
+
+
+def test_rounding_per_channel_keeps_groups_apart_and_leaves_the_tail():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 70, 8)
+    x[..., 5] *= 100                                          # an outlier channel
+    back = round_per_channel(x, 4, group=32)
+    assert torch.equal(back[:, :, 64:], x[:, :, 64:])        # 6 tokens after the last whole group
+    later = x.clone()
+    later[:, :, 40] += 1000                                   # a change in the second group ...
+    assert torch.equal(round_per_channel(later, 4, 32)[:, :, :32], back[:, :, :32])   # ... leaves the first
+    step = (x[:, :, :64].unflatten(2, (2, 32)).amax(3) - x[:, :, :64].unflatten(2, (2, 32)).amin(3)) / 15
+    err = (back[:, :, :64] - x[:, :, :64]).abs().unflatten(2, (2, 32)).amax(3)
+    assert (err <= step / 2 + 1e-4).all()                    # each channel's error is its own step's
+    assert (round_per_channel(x, 4, 32)[..., :64, 0] - x[..., :64, 0]).abs().max() < 1   # outlier stays in its channel
+
+
+def test_a_window_rounds_only_whole_groups_that_were_cached():
+    k, v = torch.randn(2, 1, 80, 8), torch.randn(2, 1, 80, 8)
+    kivi = Rounding(4, keys="channel", symmetric=False, window=True)
+    rk, rv = kivi(k, v, torch.tensor([70, 31]))
+    assert not torch.equal(rk[0, :, :64], k[0, :, :64]) and torch.equal(rk[0, :, 64:], k[0, :, 64:])
+    assert torch.equal(rk[1], k[1]) and torch.equal(rv[1], v[1])         # 31 cached: no whole group yet
+    assert torch.equal(rv[0, :, :64], round_per_token(v[0, :, :64], 4, symmetric=False))
+    per_token = Rounding(4)
+    assert torch.equal(per_token(k, v, torch.tensor([0, 0]))[0], round_per_token(k, 4, symmetric=True))
+    with pytest.raises(ValueError, match="window=True"):
+        Rounding(4, keys="channel")
+    with pytest.raises(ValueError, match="'token' or 'channel'"):
+        Rounding(4, keys="head")
+
+
+def test_simulated_bytes_per_token_count_codes_scales_and_minimums():
+    shape = (30, 3, 64)   # SmolLM2: K and V rows of 64 values, 90 (layer, KV head) pairs
+    assert Rounding(4).bytes_per_token(*shape) == 90 * 2 * (32 + 4)
+    assert Rounding(4, symmetric=False).bytes_per_token(*shape) == 90 * 2 * (32 + 8)
+    assert Rounding(4, keys="channel", symmetric=False, window=True).bytes_per_token(*shape) == 90 * (32 + 16 + 32 + 8)
+    assert Rounding(8).bytes_per_token(*shape) == KVPool(*shape, 1, kv_cache_dtype="int8").bytes_per_token
+
+
+def test_a_simulation_at_8_bits_scores_as_the_int8_pool(model, tokenizer):
+    ids = tokenizer.encode("A quantized pool keeps fewer bytes per token; the simulation rounds as attention reads.")
+    _, _, ref = perplexity_and_kl(model, ids, "auto")
+    ppl, kl, _ = perplexity_and_kl(model, ids, "int8", reference=ref)
+    sim_ppl, sim_kl, _ = perplexity_and_kl(model, ids, "auto", reference=ref, attention=simulated_attention(Rounding(8)))
+    assert math.isclose(sim_ppl, ppl, rel_tol=1e-9) and math.isclose(sim_kl, kl, rel_tol=1e-6)   # the same rows
+    exact_ppl, exact_kl, _ = perplexity_and_kl(model, ids, "auto", reference=ref,
+                                               attention=simulated_attention(Rounding(24)))
+    assert exact_kl < 1e-8
+    with pytest.raises(ValueError, match="model_forward"):
+        from kvlearn.fast import FastLlama
+        from kvlearn.runner import ModelRunner
+
+        pool = KVPool.for_model(model.config, num_slots=len(ids))
+        ModelRunner(model, pool, model_forward=FastLlama(model).forward).run([ids], [pool.alloc(len(ids))], every_token=True)

@@ -24,6 +24,7 @@ from kvlearn.viz import draw_blocks, draw_pool, draw_radix, draw_slot_reads  # n
 from kvlearn.viz.palette import ALIASES, STATES, state_color  # noqa: E402
 from kvlearn.viz.teaching import (draw_free_queue, draw_kv_reuse, draw_packed_mask, draw_timeline,  # noqa: E402
                                   plot_reuse_vs_block_size, plot_workloads)
+from kvlearn.viz.quant import draw_kv_channels, plot_quality_vs_bytes  # noqa: E402
 from kvlearn.viz.tiers import draw_tiers  # noqa: E402
 
 VIZ = Path(kvlearn.viz.__file__).parent
@@ -125,7 +126,13 @@ FIGURES = {
     "pool": lambda: draw_pool(pool_with_owners(), {"B, 2 slots": torch.tensor([0, 1]), "C, 4 slots": torch.arange(4, 8)}),
     "slot_reads": lambda: draw_slot_reads(metadata(), ["prefill", "hit", "decode"]),
     "decode_throughput": lambda: plot_throughput({1: 20.0, 2: 38.0, 4: 70.0, 8: 120.0, 16: 190.0}),
+    "kv_channels": lambda: draw_kv_channels(torch.randn(64, 64) * torch.linspace(1, 8, 64), torch.randn(64, 64), "layer 3, KV head 0"),
+    "quality_vs_bytes": lambda: plot_quality_vs_bytes(QUALITY),
 }
+QUALITY = [dict(label=label, bytes_per_token=size, ppl_change_pct=ppl, mean_kl=kl, simulated=sim) for label, size, ppl, kl, sim in (
+    ("auto", 46080, 0.0, 0.0, False), ("bfloat16", 23040, 0.05, 2e-5, False), ("fp8_e4m3", 12240, 0.3, 3e-3, False),
+    ("int8", 12240, 0.02, 6e-4, False), ("int4 per token, symmetric", 6480, 32.0, 0.26, True),
+    ("int4 KIVI", 7920, -0.2, 5e-3, True))]
 
 
 def pool_with_owners():

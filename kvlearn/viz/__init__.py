@@ -9,6 +9,7 @@ always gives the same picture and the same text. One module per structure:
     fleet     every replica's tree side by side (chapter 7)
     capacity  hit rate against cache capacity on real traffic, beside the Mooncake paper (chapter 7)
     tiers     a tiered radix tree, coloured by where each node's KV lives (chapter 8)
+    quant     K and V magnitudes by channel, quality against bytes per token (chapter 10)
     kernel_reads  which slots each program of an interpreted decode kernel loaded (chapter 5; Triton)
     teaching  small matplotlib pictures of chapters 0, 2, 3, 5 and 6
     plots     where figures are written (`figures_dir`, `save_figure`)

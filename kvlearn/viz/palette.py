@@ -9,6 +9,8 @@ chapter 3 means it in chapter 6 too, and no other state shares it.
     REQUESTS  what a request did in a step (chapter 6's timeline); prefill is "new", decode "locked"
     OWNERS    one colour per sequence or owner, for arrows and owned slots (identities, not states)
     INK       lines and text that carry no state: edges, frames, headers, the walked path
+    FORMATS   a KV format's point by how it was measured: stored in the pool, or simulated (chapter 10)
+    HEAT      the colour map of magnitudes (|K| and |V| by token and channel, chapter 10)
 
 Invariant: no two states share a colour; every module of kvlearn.viz takes its colours from here
 (tests/test_viz_palette.py checks both). Fills are pale, so black text stays readable on a projector.
@@ -36,6 +38,10 @@ REQUESTS = {"waiting": "#f0f0f0", "prefill": STATES["new"], "decode": STATES["lo
             "preempted": "#000000", "done": "#ffffff"}
 
 OWNERS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+
+FORMATS = {"stored in the pool": "#2b8cbe", "simulated, not stored": "#d95f0e"}
+
+HEAT = "viridis"
 
 INK = {"edge": "#555555", "header": "#eeeeee", "path": "#d62728", "held by others": "#9e9e9e"}
 
