@@ -2,11 +2,9 @@
 
 Each `step()` asks the scheduler for a batch (decodes of running requests plus admissions whose
 cached prefix is skipped), runs it as one packed forward through the model runner, and hands the
-greedy tokens back to the scheduler, which finishes, caches and frees. Whatever the cache mode
-("radix", "blocks" or "none"), the tokens are the same as Hugging Face `generate` on each prompt
-alone: a cache changes what is computed, never what comes out.
-
-The engine borrows the model and leaves it as it found it.
+greedy tokens back to the scheduler, which finishes, caches and frees. Whatever the cache mode,
+the tokens are Hugging Face `generate`'s on each prompt alone: a cache changes what is computed,
+never what comes out. The engine borrows the model and leaves it as it found it.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ After a forward, a caching mode may hand the computed head of the row to the cac
 - the others: the cache takes the request's slots as they are;
 so `prefix_len` grows to the computed length (whole pages; an unaligned tail stays private). When
 the request leaves, its private slots go back to the pool and its hold on the prefix is released.
-What has KV takes one counter per question: `num_computed` (where the next forward starts),
-`prefill_len` (where the prompt ends), `prefix_len` (which slots are the cache's: "none", "radix")
-and, in blocks mode, chapter 2's `num_cached_tokens` (the hit) in its place.
+Counters: `num_computed` (where the next forward starts), `prefill_len` (where the prompt ends),
+`prefix_len` (the cache's slots; blocks mode: chapter 2's `num_cached_tokens`).
 
 Invariant (`check`, after every step, `python -O` included): free slots + slots held only by the
 cache (evictable) + slots held by running requests (shared ones once) == pool size. A learner's

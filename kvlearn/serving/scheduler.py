@@ -10,22 +10,15 @@ Every step forms one batch under a token budget (`max_batch_tokens`):
    SGLang's policy), while the budget and the pool allow; each computes only its uncached suffix.
 
 Chunked prefill (on by default, as in vLLM and SGLang): a prompt whose uncached part is larger than
-what is left of the budget computes only that much now and the rest in later steps, one chunk per
-step, while the running requests keep decoding. Without it, such a prompt waits until nothing else
-runs and is then computed whole, in one long step that every other request waits for. A chunk is
-an ordinary prefill over a cached prefix (the prompt's own earlier chunks): its tokens' slots were
-allocated at admission, its logits are thrown away, and the prompt joins the cache after its last
-chunk. So a request that shares a prefix with a prompt still in chunks is held back one step only:
-after that it computes the shared part itself (vLLM and SGLang cache each chunk as it is computed;
-kvlearn keeps the simpler rule, and a preempted request's computed chunks do go to the cache).
+what is left of the budget computes only that much now and the rest in later steps, while the
+running requests keep decoding; without it, such a prompt waits until nothing else runs, then runs
+whole. A chunk is an ordinary prefill over the prompt's own earlier chunks; the prompt joins the
+cache after its last chunk (vLLM and SGLang cache each chunk; kvlearn keeps the simpler rule).
 
-A request that shares a not-yet-computed prefix with one admitted in the same step waits a step:
-its partner's prompt is published to the cache right after its prefill, so the prefix is computed
-once (SGLang's in-batch prefix check). vLLM lets it run in the same step instead: it caches a
-prompt's full blocks when it allocates them, and every layer writes the K and V of the step's new
-tokens before any sequence attends, so the partner reads them in the same forward. kvlearn keeps
-the wait: on the bench it costs 2-5 % (a few extra steps), and the cache only ever holds KV that
-has been computed.
+A request that shares a not-yet-computed prefix with one admitted in the same step waits a step, so
+the prefix is computed once (SGLang's in-batch prefix check). vLLM runs it in the same step, reading
+the partner's K and V written earlier in the same forward; kvlearn keeps the wait (2-5 % on the
+bench), and its cache only ever holds KV that has been computed.
 
 Where each request's KV lives is the business of a KV manager (the contract in
 `kvlearn.serving.kv_manager`): the scheduler only asks it to admit, grow and release requests, and
