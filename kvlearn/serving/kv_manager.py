@@ -1,8 +1,7 @@
 """Chapter 6: the contract between the scheduler and a cache mode, and the bookkeeping they share.
 
-The scheduler never touches slots, trees or blocks: it asks a `KVManager`. Each member below is a
-query (changes nothing) or a mutation, and says which. The three cache modes ("none", "radix",
-"blocks", in `kvlearn.serving.cache_modes`) implement it side by side.
+The scheduler never touches slots, trees or blocks: it asks a `KVManager`, whose members each say
+whether they are a query or a mutation; `kvlearn.serving.cache_modes` has its three cache modes.
 
 Every mode keeps a running request's slots in one row of chapter 4's `ReqToTokenPool`, the table
 attention reads a request's context through. The row, token by token:
