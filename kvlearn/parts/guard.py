@@ -274,10 +274,11 @@ class QuantizerGuard(Guard):
         self.dtype, self.row = self.layout.dtype, self.layout.row
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        what, rule = answer_problem(x, got := self.part.quantize(x)) or ("", "")
-        if what or not (torch.isfinite(got[1]) & (got[1] >= 0)).all():
-            self.fail(f"quantize(rows of shape {list(x.shape)})", what or "a scale that is NaN, inf or < 0",
-                      HINTS[rule] if what else "a scale is finite and >= 0 (its row's absmax / 127)")
+        call, got = f"quantize(rows of shape {list(x.shape)})", self.part.quantize(x)
+        if problem := answer_problem(x, got):   # (what came back, the rule it breaks)
+            self.fail(call, problem[0], HINTS[problem[1]])
+        if not (torch.isfinite(got[1]) & (got[1] >= 0)).all():
+            self.fail(call, "a scale that is NaN, inf or < 0", "a scale is finite and >= 0 (its row's absmax / 127)")
         return self.layout.pack(*got)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
