@@ -34,9 +34,8 @@ import pytest
 from nbval.plugin import IPyNbCell, IPyNbFile, find_comment_markers, find_metadata_tags
 
 CAPSTONE = "09"
-# Chapters whose student copy meets no checker: the capstone has no exercise of its own, and chapter
-# 10's exercise comes with its `quantizer` part (issue 47), not written yet.
-WITHOUT_CHECKERS = {CAPSTONE, "10"}
+# Chapters whose student copy meets no checker: the capstone has no exercise of its own.
+WITHOUT_CHECKERS = {CAPSTONE}
 CHAPTER = re.compile(r"\d\d_\w+\.ipynb")
 PART_CELL = re.compile(r"\A%%part (\w+)\n")
 USES_A_PART = re.compile(r"\buse\(")

@@ -5,7 +5,7 @@ hint shows the inputs of the call, as it does for a wrong answer."""
 import pytest
 import torch
 
-from kvlearn.exercises import NOT_YET, ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08
+from kvlearn.exercises import NOT_YET, ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch10
 from kvlearn.routing.policies import RoundRobin
 from kvlearn.serving.workloads import unique_token_floor
 
@@ -139,6 +139,11 @@ MISTAKES = {
         (({"write_back": set("AB"), "write_through": set("ABCDE")},), "leaves memory altogether"),
         (({"write_back": {"A"}, "write_through": set("DE")},), "can a crash come between"),
         ((None,), "answer with a dict")]),
+    "ch10 int8 capacity": (ch10.check_int8_capacity, lambda: [
+        ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128),), "forgets the scales"),
+        ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128 * 2),), "bfloat16 pool"),
+        ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128 + 2 * 32 * 4),), "one scale per layer"),
+        ((ch10.BUDGET_BYTES // (32 * 8 * 132),), "K alone"), ((1000,), "rounded down")]),
 }
 # Exercises whose checker simulates (chapter 6's theorem, chapter 7's) list their mistakes where their
 # tests already run them: tests/test_exercises_ch06.py and tests/test_routing_exercises.py (own_hints).
