@@ -68,8 +68,8 @@ def test_a_listed_mutant_whose_line_is_gone_is_reported():
 
 
 def test_a_worked_solution_lives_in_one_place(tmp_path):
-    (tmp_path / "quantizer.py").write_text("x = 1\n")   # a part whose chapter has no %%part cell yet
-    assert worked_solutions(waiting=tmp_path)["quantizer"] == "x = 1\n"
+    (tmp_path / "future.py").write_text("x = 1\n")   # a part whose chapter has no %%part cell yet
+    assert worked_solutions(waiting=tmp_path)["future"] == "x = 1\n"
     (tmp_path / "allocator.py").write_text("x = 1\n")   # chapter 4 has its cell
     with pytest.raises(ValueError, match=r"allocator is a %%part cell of .* now: delete this file"):
         worked_solutions(waiting=tmp_path)
