@@ -28,8 +28,9 @@ VARIANTS = [(64, torch.float32, torch.int64, (1, 16), True), (80, torch.float32,
             (96, torch.bfloat16, torch.int64, (1,), False), (8, torch.float32, torch.int64, (1,), False)]
 
 
-def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype) -> str:
-    """Triton's type for one argument, as the launchers pass them."""
+def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype, int8: bool) -> str:
+    """Triton's type for one argument, as the launchers pass them (`int8`: an int8 pool's codes and
+    scales; else k_scale and v_scale are the unused k_cache)."""
     if constexpr:
         return "constexpr"
     if name in INDEX_POINTERS:
@@ -38,7 +39,9 @@ def kind(name: str, constexpr: bool, floats: torch.dtype, index: torch.dtype) ->
         return "i32"
     if name == "scale":
         return "fp32"
-    return "*fp32" if name in FLOAT32_POINTERS else "*" + TRITON_TYPES[floats]
+    if int8 and name in ("k_cache", "v_cache", "k_codes", "v_codes"):
+        return "*i8"
+    return "*fp32" if name in FLOAT32_POINTERS or int8 and name.endswith("_scale") else "*" + TRITON_TYPES[floats]
 
 
 def cases():
@@ -57,14 +60,22 @@ def cases():
         for page_size in pages:
             yield (decode.decode_kernel, f"{variant},page{page_size}", floats, index,
                    dict(attention, PAGE_SIZE=page_size, BLOCK_H=tile(GROUP)), decode.STAGE1_LAUNCH)
-        yield (extend.extend_kernel, variant, floats, index, dict(attention, PAGE_SIZE=1, BLOCK_M=extend.BLOCK_M),
-               extend.LAUNCH)
+        yield (extend.extend_kernel, variant, floats, index, dict(attention, PAGE_SIZE=1, QUANTIZED=False,
+               BLOCK_M=extend.BLOCK_M), extend.LAUNCH)
+    # SmolLM2 on an int8 pool (chapter 10): quantized in the store, dequantized in extend's tile load.
+    variant, head_dim = "hd64,fp32,i64,int8", 64
+    yield (store.store_int8_kernel, variant, torch.float32, torch.int64,
+           dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_T=store.BLOCK_T), store.LAUNCH)
+    yield (extend.extend_kernel, variant, torch.float32, torch.int64,
+           dict(GROUP=GROUP, HEAD_DIM=head_dim, DOT_DTYPE=dot_dtype(torch.float32), BLOCK_D=tile(head_dim),
+                BLOCK_N=extend.BLOCK_N, PAGE_SIZE=1, QUANTIZED=True, BLOCK_M=extend.BLOCK_M), extend.LAUNCH)
 
 
 def main() -> None:
     warnings.simplefilter("ignore")   # Triton 3.9 warns about an unset fp-fusion default
     for kernel, variant, floats, index, constexprs, options in cases():
-        signature = {p.name: kind(p.name, p.is_constexpr, floats, index) for p in kernel.params}
+        signature = {p.name: kind(p.name, p.is_constexpr, floats, index, variant.endswith("int8"))
+                     for p in kernel.params}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=H200, options=options)
         print(f"{kernel.__name__}[{variant}]", "cubin" in compiled.asm, compiled.metadata.shared,
               "mma" in compiled.asm["ptx"])

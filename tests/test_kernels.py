@@ -214,6 +214,75 @@ def test_slot_minus_one_is_padding_that_store_kvcache_skips():
     assert torch.equal(pool.kv, expected.kv)
 
 
+# --- an int8 pool (chapter 10): quantized in the store kernel, dequantized in extend's tile load -----
+
+def int8_copy(pool: KVPool) -> KVPool:
+    """An int8 pool of `pool`'s shape holding its K and V, encoded by chapter 10's torch format."""
+    int8 = KVPool(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.num_slots, page_size=pool.page_size,
+                  device=DEVICE, kv_cache_dtype="int8")
+    every = torch.arange(pool.num_slots, device=DEVICE)
+    for layer in range(pool.num_layers):
+        int8.write(layer, every, pool.k[layer], pool.v[layer])
+    return int8
+
+
+@settings(max_examples=EXAMPLES)
+@given(st.integers(2, 40), st.sampled_from([1, 3]), st.sampled_from([16, 64, 80]), st.integers(0, 2**16))
+def test_an_int8_store_writes_the_bytes_of_the_torch_format(num_tokens, kv_heads, head_dim, seed):
+    """The kernel's scale, clamp and rounding are Int8Format.encode's, byte for byte: an all-zero
+    row, an outlier, ties (a row whose scale is 1, all its numbers halves: ties go to even), and a
+    padding slot -1, written nowhere."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = KVPool(2, kv_heads, head_dim, 64, device=DEVICE, kv_cache_dtype="int8")
+    pool.kv.copy_(torch.randint(0, 256, pool.kv.shape, generator=gen, dtype=torch.uint8))
+    expected = KVPool(2, kv_heads, head_dim, 64, device=DEVICE, kv_cache_dtype="int8")
+    expected.kv.copy_(pool.kv)
+    slots = torch.randperm(64, generator=gen)[:num_tokens].to(DEVICE)
+    key, value = (3 * torch.randn(kv_heads, num_tokens, head_dim, generator=gen).transpose(0, 1) for _ in range(2))
+    key[0] = 0.0
+    value[-1, 0, 0] = 1000.0
+    key[1, 0] = torch.arange(head_dim) % 9 - 4.5
+    key[1, 0, 0] = 127.0                                          # scale 127 / 127 = 1: codes x, ties
+    padded = slots.clone()
+    padded[-1] = -1
+    codes_k, scale_k = pool.format.unpack(pool.k[1])
+    codes_v, scale_v = pool.format.unpack(pool.v[1])
+    store_kvcache(key.to(DEVICE), value.to(DEVICE), codes_k, codes_v, padded, scale_k, scale_v)
+    expected.write(1, slots[:-1], key[:-1].to(DEVICE), value[:-1].to(DEVICE))
+    assert torch.equal(pool.kv, expected.kv)   # layer 1's step slots, but the padded one, and nothing else
+
+
+@settings(max_examples=10)
+@given(contexts(decode=False))
+def test_extend_attention_on_an_int8_pool_equals_chapter_5s_decoded_rows(case):
+    float_pool, page, group, q_lens, slots, table, scale = case
+    pool = int8_copy(float_pool)
+    query = packed_query(pool, group, sum(q_lens))
+    md = AttentionMetadata.build(q_lens, slots)
+    cu_q = F.pad(torch.tensor(q_lens, device=DEVICE).cumsum(0), (1, 0))
+    (codes_k, scale_k), (codes_v, scale_v) = pool.format.unpack(pool.k[0]), pool.format.unpack(pool.v[0])
+    out = extend_attention(query, codes_k, codes_v, table, md.kv_lens, cu_q, scale, page_size=page,
+                           k_scale=scale_k, v_scale=scale_v)
+    torch.testing.assert_close(out, attend(query, pool.k[0], pool.v[0], md, scale, pool.format.decode), **TOL)
+
+
+def test_the_triton_backend_serves_an_int8_pool_as_chapter_5_does():
+    """A prefill step, then a decode step (through the extend kernel: the decode kernel, chapter 5's
+    exercise, reads float pools), with the pool's bytes and the outputs of chapter 5's torch path."""
+    from kvlearn.attention import paged_attention
+
+    float_pool, key, value, new, slots, q_lens, table, query = step(64)
+    pools = [int8_copy(float_pool) for _ in range(2)]
+    steps = [(AttentionMetadata.build(q_lens, slots), query, key, value)]
+    last = [s[-1:] for s in slots]
+    steps.append((AttentionMetadata.build([1, 1], slots), query[[4, 24]], key[[4, 24]] * 2, value[[4, 24]]))
+    assert [int(s) for s in steps[1][0].slot_mapping] == [int(s) for s in torch.cat(last)]
+    for md, q, k, v in steps:
+        ours = triton_paged_attention(q, k, v, 0, pools[0], md, 0.125)
+        torch.testing.assert_close(ours, paged_attention(q, k, v, 0, pools[1], md, 0.125), **TOL)
+        assert torch.equal(pools[0].kv, pools[1].kv)
+
+
 def kernel_from_source(source: str):
     """A stage-1 kernel as a learner writes one in a notebook cell: its own @triton.jit function. IPython
     keeps each cell's source in linecache, where Triton's GPU compiler reads it (the interpreter needs

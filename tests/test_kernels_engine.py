@@ -110,3 +110,15 @@ def test_the_interpreter_asked_for_after_triton_was_imported_is_refused():
             "try:\n    resolve_attention_backend('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     out = run_fresh(code, None)
     assert "was set after triton was first imported" in out.stdout, out.stderr
+
+
+@triton_missing
+@pytest.mark.slow
+def test_an_int8_pool_serves_through_the_kernels_with_the_torch_paths_tokens(model, tokenizer):
+    """Chapter 10's int8 pool, quantized in the store kernel and read in extend's tile load, decode
+    steps included: the tokens of chapter 5's torch attention on the same format."""
+    prompts = ["What is the capital of France?"]
+    torch_path = Engine(model, tokenizer, kv_cache_dtype="int8", num_slots=128).generate(prompts, max_new_tokens=2)
+    engine = Engine(model, tokenizer, kv_cache_dtype="int8", num_slots=128, attention_backend="triton")
+    assert engine.attention_backend == "triton"
+    assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=2)] == [o.token_ids for o in torch_path]

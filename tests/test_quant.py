@@ -11,7 +11,7 @@ from hypothesis.extra.numpy import arrays
 from kvlearn import Engine, EngineConfig, KVPool
 from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig
-from kvlearn.quant import (FORMATS, Rounding, perplexity_and_kl, round_per_channel, round_per_token,
+from kvlearn.quant import (FORMATS, Int8Format, Rounding, perplexity_and_kl, round_per_channel, round_per_token,
                            simulated_attention)
 
 QUANTIZED = sorted(FORMATS)
@@ -85,17 +85,18 @@ def test_bytes_per_token_counts_the_scales_and_names_are_checked():
     assert set(QUANTIZED) < set(KV_CACHE_DTYPES)   # kvlearn/__init__ registers every chapter-10 format
 
 
-def test_the_fast_path_and_the_kernels_refuse_a_quantized_pool():
-    with pytest.raises(ValueError, match="torch attention only"):
-        EngineConfig(kv_cache_dtype="int8", fast=True)
-    with pytest.raises(ValueError, match="torch attention only"):
-        EngineConfig(kv_cache_dtype="int8", attention_backend="triton")
-    with pytest.raises(ValueError, match="no parts"):
-        EngineConfig(kv_cache_dtype="bfloat16", parts={"attention": lambda *a: None})
+def test_the_fast_path_refuses_a_quantized_pool_and_the_kernels_read_int8_only():
+    for options in (dict(kv_cache_dtype="int8", fast=True), dict(kv_cache_dtype="fp8_e4m3", attention_backend="triton"),
+                    dict(kv_cache_dtype="bfloat16", parts={"attention": lambda *a: None}),
+                    dict(kv_cache_dtype="int8", attention_backend="triton", parts={"quantizer": Int8Format}),
+                    dict(kv_cache_dtype="int8", attention_backend="triton", parts={"decode_kernel": lambda: None})):
+        with pytest.raises(ValueError, match="read by chapter 5's torch attention"):
+            EngineConfig(**options)
+    assert EngineConfig(kv_cache_dtype="int8", attention_backend="triton").attention_backend == "triton"
     pytest.importorskip("triton")
     from kvlearn.kernels.backend import triton_paged_attention
 
-    pool = KVPool(1, 1, 8, 4, kv_cache_dtype="int8")
+    pool = KVPool(1, 1, 8, 4, kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="attention_backend='torch'"):
         triton_paged_attention(None, None, None, 0, pool, None)
 

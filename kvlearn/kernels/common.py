@@ -50,7 +50,7 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 # What each letter of a shape pattern counts; one letter has one size across a launcher's tensors.
 SIZES = {"T": "number of tokens", "B": "number of sequences", "H": "number of query heads",
          "K": "number of KV heads", "D": "head_dim", "S": "number of slots", "W": "table entries per sequence",
-         "C": "number of sequences + 1 (cumulative new-token counts)"}
+         "C": "number of sequences + 1 (cumulative new-token counts)", "1": "1 (one scale per row)"}
 
 _ranges_on_cuda = False
 
@@ -106,11 +106,11 @@ def check_kernel(name: str, kernel, like):
     return kernel
 
 
-def check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """`store_kvcache`'s arguments: key, value [T, K, D]; caches [S, K, D]; slot_mapping [T], each
-    slot in 0 .. S-1 or -1 (padding)."""
-    _check_tensors(dict(key=(key, "TKD"), value=(value, "TKD"), k_cache=(k_cache, "SKD"), v_cache=(v_cache, "SKD")),
-                   dict(slot_mapping=(slot_mapping, "T")))
+def check_store(key, value, k_cache, v_cache, slot_mapping, scales=(None, None)) -> None:
+    """`store_kvcache`'s arguments: key, value [T, K, D]; caches [S, K, D] (with `scales`, int8 codes:
+    see `_check_tensors`); slot_mapping [T], each slot in 0 .. S-1 or -1 (padding)."""
+    _check_tensors(dict(key=(key, "TKD"), value=(value, "TKD")), dict(slot_mapping=(slot_mapping, "T")),
+                   k_cache, v_cache, scales)
     if not _ranges_wanted(key.device):
         return
     slots = k_cache.shape[0]
@@ -126,16 +126,16 @@ def check_decode(query, k_cache, v_cache, table, kv_lens, page_size, num_splits)
     kv_lens[b] reads inside the pool; num_splits None or >= 1."""
     if num_splits is not None:
         check_positive_int("num_splits", num_splits, " (pieces of each context, merged by stage 2)")
-    _check_attention(query, "BHD", k_cache, v_cache, table, kv_lens, page_size, {})
+    _check_attention(query, "BHD", k_cache, v_cache, table, kv_lens, page_size, {}, (None, None))
 
 
-def check_extend(query, k_cache, v_cache, table, kv_lens, cu_q, page_size, max_q_len) -> None:
+def check_extend(query, k_cache, v_cache, table, kv_lens, cu_q, page_size, max_q_len, scales=(None, None)) -> None:
     """`extend_attention`'s arguments: query [T, H, D]; caches, table, kv_lens as in `check_decode`
-    (B sequences); cu_q [B + 1] from 0 to T, sequence b's new tokens 1 <= cu_q[b+1] - cu_q[b] <=
-    kv_lens[b]; max_q_len None or at least the largest of them."""
+    (B sequences; with `scales`, int8 codes as in `check_store`); cu_q [B + 1] from 0 to T, sequence
+    b's new tokens 1 <= cu_q[b+1] - cu_q[b] <= kv_lens[b]; max_q_len None or at least the largest."""
     if max_q_len is not None:
         check_positive_int("max_q_len", max_q_len, " (the most new tokens of one sequence)")
-    _check_attention(query, "THD", k_cache, v_cache, table, kv_lens, page_size, dict(cu_q=(cu_q, "C")))
+    _check_attention(query, "THD", k_cache, v_cache, table, kv_lens, page_size, dict(cu_q=(cu_q, "C")), scales)
     batch = kv_lens.shape[0]
     if cu_q.shape[0] != batch + 1:
         raise ValueError(f"cu_q must have one entry per sequence and one more ({batch + 1}, as kv_lens has {batch} "
@@ -159,11 +159,11 @@ def check_extend(query, k_cache, v_cache, table, kv_lens, cu_q, page_size, max_q
                          "largest new-token count, or max_q_len=None to have it computed.")
 
 
-def _check_attention(query, pattern, k_cache, v_cache, table, kv_lens, page_size, more) -> None:
+def _check_attention(query, pattern, k_cache, v_cache, table, kv_lens, page_size, more, scales) -> None:
     """What `check_decode` and `check_extend` share: tensors, GQA groups, page_size and contexts."""
     check_positive_int("page_size", page_size, " (slots per table entry)")
-    _check_tensors(dict(query=(query, pattern), k_cache=(k_cache, "SKD"), v_cache=(v_cache, "SKD")),
-                   dict(table=(table, "BW"), kv_lens=(kv_lens, "B"), **more))
+    _check_tensors(dict(query=(query, pattern)), dict(table=(table, "BW"), kv_lens=(kv_lens, "B"), **more),
+                   k_cache, v_cache, scales)
     heads, kv_heads = query.shape[1], k_cache.shape[1]
     if heads % kv_heads:
         raise ValueError(f"query has {heads} heads, not a multiple of k_cache's {kv_heads} KV heads: grouped-query "
@@ -184,17 +184,28 @@ def _check_attention(query, pattern, k_cache, v_cache, table, kv_lens, page_size
                          f"that kv_lens reads with ids from 0 to {pages - 1}, as the pool allocated them.")
 
 
-def _check_tensors(floats: dict, indices: dict) -> None:
+def _check_tensors(floats: dict, indices: dict, k_cache, v_cache, scales) -> None:
     """Device, dtypes, shapes (a pattern per tensor, one letter per dimension, `SIZES`) and layouts
-    of a launch's tensors, each given as name=(tensor, pattern)."""
-    named = {**floats, **indices}
+    of a launch's tensors, each given as name=(tensor, pattern), and of the caches [S, K, D]: floats,
+    or, with `scales` (k_scale, v_scale: float32 [S, K, 1]), an int8 pool's codes, row (s, k) standing
+    for codes[s, k] * scale[s, k] (chapter 10: `kvlearn.quant.Int8Format.unpack` of a pool's rows)."""
+    caches = dict(k_cache=(k_cache, "SKD"), v_cache=(v_cache, "SKD"))
+    quantized = any(scale is not None for scale in scales)
+    codes = caches if quantized else {}
+    floats = {**floats, **({} if quantized else caches)}
+    scaled = dict(k_scale=(scales[0], "SK1"), v_scale=(scales[1], "SK1")) if quantized else {}
+    named = {**floats, **indices, **codes, **scaled}
+    if any(t is None for t, _ in named.values()):
+        raise ValueError("Give both k_scale and v_scale (an int8 pool's), or neither (a float pool).")
     check_launch(next(iter(named.values()))[0].device)
     devices = {name: t.device for name, (t, _) in named.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"The tensors are on different devices ({devices}): put them on one device.")
     for group, allowed, what, fix in ((floats, FLOAT_DTYPES, "float32, float16 or bfloat16", "float()"),
                                       (indices, INDEX_DTYPES, "int64 or int32 (slot, page or position numbers)",
-                                       "long()")):
+                                       "long()"),
+                                      (codes, (torch.int8,), "int8 codes, with k_scale and v_scale", "to(torch.int8)"),
+                                      (scaled, (torch.float32,), "float32 (one scale per row)", "float()")):
         for name, (t, _) in group.items():
             if t.dtype not in allowed:
                 raise TypeError(f"{name} must be {what}, got {t.dtype}: pass {name}.{fix}.")
@@ -211,12 +222,12 @@ def _check_tensors(floats: dict, indices: dict) -> None:
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
                              f"{tuple(t.stride())}: pass {name}.contiguous().")
-    (k_cache, _), (v_cache, _) = named["k_cache"], named["v_cache"]
-    if v_cache.dtype != k_cache.dtype or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache must have k_cache's dtype and strides (the kernels address both with k_cache's), "
-                         f"got {v_cache.dtype} {tuple(v_cache.stride())} and {k_cache.dtype} "
-                         f"{tuple(k_cache.stride())}: pass a KVPool's k[layer] and v[layer], or both .contiguous() in "
-                         "one dtype.")
+    for k, v in (("k_cache", "v_cache"), ("k_scale", "v_scale"))[:1 + quantized]:
+        (k_t, _), (v_t, _) = named[k], named[v]
+        if v_t.dtype != k_t.dtype or v_t.stride() != k_t.stride():
+            raise ValueError(f"{v} must have {k}'s dtype and strides (the kernels address both with {k}'s), got "
+                             f"{v_t.dtype} {tuple(v_t.stride())} and {k_t.dtype} {tuple(k_t.stride())}: pass a "
+                             f"KVPool's k[layer] and v[layer], or both .contiguous() in one dtype.")
 
 
 def _ranges_wanted(device) -> bool:

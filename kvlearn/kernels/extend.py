@@ -16,6 +16,12 @@ the step's own buffers, in two loops; here both come from the pool, in one loop 
 A decode is an extend with q_len 1, so a step that mixes prefills and decodes runs this kernel
 for all of them. Tiles and products as in `paged_decode_attention`: head_dim padded to
 `tile(head_dim)` with a mask, products in the cache's dtype with float32 accumulation.
+
+An int8 pool (chapter 10; `QUANTIZED`) is dequantized in the tile load: each K and V row's int8
+codes times its scale, in float32, then in the query's dtype, as chapter 5's torch path decodes the
+gathered rows; nothing dequantized is ever written. The Triton backend serves an int8 pool's decode
+steps with this kernel too (a decode is an extend with q_len 1): `paged_decode_attention`'s stage 1,
+chapter 5's exercise, reads float caches only.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ LAUNCH = dict(num_warps=4, num_stages=2)
 
 # The table's row stride (its width) changes from step to step: not specialized, as in decode_kernel.
 @triton.jit(do_not_specialize=["stride_tb"])
-def extend_kernel(query, k_cache, v_cache, table, kv_lens, cu_q, out, scale,
-                  stride_qt, stride_qh, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+def extend_kernel(query, k_cache, v_cache, k_scale, v_scale, table, kv_lens, cu_q, out, scale,
+                  stride_qt, stride_qh, stride_cs, stride_ch, stride_ss, stride_sh, stride_tb, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  QUANTIZED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = h // GROUP                                                 # the KV head query head h reads
     q_start = tl.load(cu_q + b)
@@ -65,8 +71,13 @@ def extend_kernel(query, k_cache, v_cache, table, kv_lens, cu_q, out, scale,
         slot = page * PAGE_SIZE + pos % PAGE_SIZE
         at = slot[:, None] * stride_cs + g * stride_ch + d[None, :]
         kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache + at, mask=kv_ok, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache + at, mask=kv_ok, other=0.0).to(DOT_DTYPE)
+        k = tl.load(k_cache + at, mask=kv_ok, other=0.0)
+        v = tl.load(v_cache + at, mask=kv_ok, other=0.0)
+        if QUANTIZED:   # codes times their row's scale, in float32
+            row = slot * stride_ss + g * stride_sh
+            k = k.to(tl.float32) * tl.load(k_scale + row, mask=ok, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(v_scale + row, mask=ok, other=0.0)[:, None]
+        k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
         score = tl.dot(q, tl.trans(k), input_precision="ieee") * scale         # [BLOCK_M, BLOCK_N]
         # Causal: position pos is seen by the tokens at or after it. Position 0 is in the first
         # tile and seen by every token, so no row's max stays -inf after it.
@@ -85,25 +96,32 @@ def extend_kernel(query, k_cache, v_cache, table, kv_lens, cu_q, out, scale,
 
 def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                      kv_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, page_size: int = 1,
-                     max_q_len: int | None = None) -> torch.Tensor:
+                     max_q_len: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every sequence's new tokens over its context, read through `table`.
 
     query [T, heads, head_dim]: the step's new tokens packed sequence after sequence, sequence b's
     being rows cu_q[b] .. cu_q[b+1] - 1 (cu_q [B+1], from 0 to T), their K/V already in the cache;
     caches, table, kv_lens and page_size as in `paged_decode_attention` (kv_lens[b] >= its new
-    tokens >= 1). max_q_len: the largest new-token count, if the caller knows it without asking the
-    device. Returns [T, heads, head_dim]. Refuses what the kernel cannot run, as
+    tokens >= 1); with k_scale and v_scale, the caches are an int8 pool's codes, as in
+    `store_kvcache`. max_q_len: the largest new-token count, if the caller knows it without asking
+    the device. Returns [T, heads, head_dim]. Refuses what the kernel cannot run, as
     `kvlearn.kernels.common` says."""
-    check_extend(query, k_cache, v_cache, table, kv_lens, cu_q, page_size, max_q_len)
+    check_extend(query, k_cache, v_cache, table, kv_lens, cu_q, page_size, max_q_len, (k_scale, v_scale))
     tokens, heads, head_dim = query.shape
     batch = kv_lens.shape[0]
     if max_q_len is None:
         max_q_len = int((cu_q[1:] - cu_q[:-1]).max())
+    quantized = k_scale is not None
+    if not quantized:   # the kernel reads no scale: any pointer does, with strides 0
+        k_scale = v_scale = k_cache
     out = torch.empty(tokens, heads, head_dim, dtype=query.dtype, device=query.device)
     extend_kernel[(batch, heads, triton.cdiv(max_q_len, BLOCK_M))](
-        query, k_cache, v_cache, table, kv_lens, cu_q, out, scale,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+        query, k_cache, v_cache, k_scale, v_scale, table, kv_lens, cu_q, out, scale,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0, table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        DOT_DTYPE=dot_dtype(query.dtype if quantized else k_cache.dtype), QUANTIZED=quantized,
         BLOCK_M=BLOCK_M, BLOCK_D=tile(head_dim), BLOCK_N=BLOCK_N, **LAUNCH)
     return out

@@ -94,7 +94,7 @@ class Engine:
         if fast or "attention" in c.parts:
             self.attention_backend, attention = ("fast", None) if fast else ("part", served(c.parts, "attention"))
         else:
-            backend = c.attention_backend if c.kv_cache_dtype == "auto" else "torch"  # chapter 10: torch only
+            backend = "torch" if c.attention_backend == "auto" and c.kv_cache_dtype != "auto" else c.attention_backend
             self.attention_backend = resolve_attention_backend(backend, model.device)
             # A learner's stage-1 decode kernel serves inside the Triton attention (config: backend "triton").
             attention = served(c.parts, "decode_kernel") or attention_function(self.attention_backend)
