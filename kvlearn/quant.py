@@ -21,8 +21,9 @@ frozen text: `python -c 'import kvlearn; from kvlearn.quant import HELD_OUT_TEXT
 m, t = kvlearn.load_model(); print(*quality_table(m, t.encode(HELD_OUT_TEXT)), sep="\\n")'`.
 `Rounding` and `simulated_attention` score layouts the pool does not store (int4 per token, KIVI's
 keys per channel) by rounding K and V as attention reads them: a simulation, said as such.
-The Triton kernels (`kvlearn.kernels`) and the fast path read the pool raw: the engine serves these
-formats with chapter 5's torch attention only (`EngineConfig` refuses the others).
+The engine serves these formats with chapter 5's torch attention; the Triton kernels (`kvlearn.kernels`)
+read "int8" too, quantizing in the store kernel and dequantizing in the tile load, fused; the fast
+path reads none (`EngineConfig` refuses what cannot read a format).
 """
 
 from __future__ import annotations
