@@ -90,9 +90,9 @@ class EngineConfig:
                                 "parts['attention'] is the attention there") + ": give one of the two.")
         if self.kv_cache_dtype != "auto" and (self.fast or {"attention", "decode_kernel"} & set(self.parts) or (
                 self.attention_backend == "triton" and (self.kv_cache_dtype != "int8" or "quantizer" in self.parts))):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by chapter 5's torch attention ('int8' "
-                             "by Triton's too, with no parts['quantizer']): give fast=False, no parts['attention'] "
-                             "or parts['decode_kernel'], and attention_backend='torch' (or 'auto').")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by chapter 5's torch attention ('int8' by "
+                             "Triton's too, without a quantizer part): give fast=False, attention_backend='torch', "
+                             "no attention or decode_kernel part.")
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "
                              f"tree), got cache={self.cache!r}.")
