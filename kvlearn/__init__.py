@@ -58,6 +58,13 @@ def _quantized(name: str):
     return make
 
 
+def _kivi(dtype, head_dim):
+    """Chapter 10's kv_cache_dtype "int4" (kvlearn.kivi), imported when a pool first asks for it."""
+    from kvlearn.kivi import KiviFormat
+
+    return KiviFormat(dtype, head_dim)
+
+
 def _chapter_10_parts() -> list:
     """Chapter 10's part: the int8 format's quantize and dequantize (kvlearn.parts.QuantizerPart)."""
     from kvlearn.quant import Int8Format
@@ -69,6 +76,7 @@ def _chapter_10_parts() -> list:
 
 for _name in ("fp8_e4m3", "int8"):   # kvlearn.quant.FORMATS
     register_kv_cache_dtype(_name, _quantized(_name))
+register_kv_cache_dtype("int4", _kivi)
 register_kv_factory(_tiered_kv)
 register_part_guards(_part_guards)
 register_part_records(_chapter_10_parts)

@@ -107,16 +107,18 @@ def perplexity_and_kl(model, token_ids: list[int], kv_cache_dtype: str, referenc
     mean KL(reference || this) over positions or None without a reference, log-probs [n - 1, vocab]).
     token_ids[:-1] are prefilled as one sequence, `chunk` tokens a step (chapter 6's chunked prefill),
     keeping the logits of every position: each query reads its context, its own token included, back
-    from the (quantized) pool, as in serving. A row's encoding depends on that row alone, so the chunk
-    size changes nothing but float rounding. `attention`: chapter 5's (None) or a function with its
+    from the (quantized) pool, as in serving, through pages of 16 slots (what "int4" needs). Which bytes
+    a query reads depends on positions alone, so the chunk size changes nothing but float rounding.
+    `attention`: the format's (None: chapter 5's, or int4's own) or a function with chapter 5's
     signature, such as `simulated_attention(...)`."""
     n = len(token_ids)
     if n < 2:
         raise ValueError(f"Need at least 2 tokens to score a next token, got {n}.")
     check_positive_int("chunk", chunk)
-    pool = KVPool.for_model(model.config, num_slots=n, dtype=model.dtype, device=model.device,
-                            kv_cache_dtype=kv_cache_dtype)
-    runner, slots = ModelRunner(model, pool, attention=attention), pool.alloc(n)
+    pool = KVPool.for_model(model.config, num_slots=-(-n // 16) * 16, dtype=model.dtype, device=model.device,
+                            page_size=16, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(model, pool, attention=attention or getattr(pool.format, "attention", None))
+    slots = pool.alloc(pool.num_slots)
     logps = []
     with runner.active():
         for start in range(0, n - 1, chunk):
@@ -129,7 +131,7 @@ def perplexity_and_kl(model, token_ids: list[int], kv_cache_dtype: str, referenc
     return math.exp(float(nll)), kl, logp
 
 
-def quality_table(model, token_ids: list[int], names=("auto", "bfloat16", "fp8_e4m3", "int8")) -> list[dict]:
+def quality_table(model, token_ids: list[int], names=("auto", "bfloat16", "fp8_e4m3", "int8", "int4")) -> list[dict]:
     """Per kv_cache_dtype: bytes_per_token, perplexity over token_ids, its change against the first
     name's (the reference, "auto": the model's own dtype) and the mean KL to its distribution."""
     table, ref = [], None

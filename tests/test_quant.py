@@ -68,14 +68,14 @@ def test_encode_is_row_local_so_the_same_k_gives_the_same_bytes(name):
 
 def test_bytes_per_token_counts_the_scales_and_names_are_checked():
     sizes = {name: KVPool(30, 3, 64, 16, kv_cache_dtype=name).bytes_per_token for name in KV_CACHE_DTYPES}
-    assert sizes == {"auto": 2 * 30 * 3 * 64 * 4, "bfloat16": 2 * 30 * 3 * 64 * 2,
-                     "fp8_e4m3": 2 * 30 * 3 * (64 + 4), "int8": 2 * 30 * 3 * (64 + 4)}
+    assert sizes == {"auto": 2 * 30 * 3 * 64 * 4, "bfloat16": 2 * 30 * 3 * 64 * 2, "fp8_e4m3": 2 * 30 * 3 * (64 + 4),
+                     "int8": 2 * 30 * 3 * (64 + 4), "int4": 2 * 30 * 3 * (32 + 16)}
     pool = KVPool(2, 3, 64, 16, kv_cache_dtype="int8")
     assert pool.nbytes == pool.bytes_per_token * 16
-    with pytest.raises(ValueError, match="'auto', 'bfloat16', 'fp8_e4m3', 'int8'"):
+    with pytest.raises(ValueError, match="'auto', 'bfloat16', 'fp8_e4m3', 'int4', 'int8'"):
         KVPool(2, 3, 64, 16, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
-        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int2'"):
+        EngineConfig(kv_cache_dtype="int2")
     with pytest.raises(ValueError, match="multiple of 4"):
         KVPool(2, 3, 6, 16, kv_cache_dtype="int8")
     cfg = KVConfig("smollm2-like", "GQA", 30, 9, 3, 64)
@@ -87,6 +87,7 @@ def test_bytes_per_token_counts_the_scales_and_names_are_checked():
 
 def test_the_fast_path_refuses_a_quantized_pool_and_the_kernels_read_int8_only():
     for options in (dict(kv_cache_dtype="int8", fast=True), dict(kv_cache_dtype="fp8_e4m3", attention_backend="triton"),
+                    dict(kv_cache_dtype="int4", attention_backend="triton"), dict(kv_cache_dtype="int4", fast=True),
                     dict(kv_cache_dtype="bfloat16", parts={"attention": lambda *a: None}),
                     dict(kv_cache_dtype="int8", attention_backend="triton", parts={"quantizer": Int8Format}),
                     dict(kv_cache_dtype="int8", attention_backend="triton", parts={"decode_kernel": lambda: None})):
@@ -112,11 +113,11 @@ def prompts(tokenizer):
 
 @pytest.mark.parametrize("name", sorted(KV_CACHE_DTYPES))
 def test_caches_give_the_no_cache_tokens_and_reuse_quantized_pages_as_they_are(model, tokenizer, prompts, name):
-    prefix, two = prompts
-    expected = [o.token_ids for o in Engine(model, tokenizer, cache="none", kv_cache_dtype=name,
+    prefix, two = prompts   # pages of 16 tokens, as int4 needs (a key group is a page)
+    expected = [o.token_ids for o in Engine(model, tokenizer, cache="none", kv_cache_dtype=name, page_size=16,
                                             num_slots=256).generate(two, max_new_tokens=4)]
     for cache in ("radix", "blocks"):
-        engine = Engine(model, tokenizer, cache=cache, kv_cache_dtype=name, num_slots=256)
+        engine = Engine(model, tokenizer, cache=cache, kv_cache_dtype=name, num_slots=256, page_size=16)
         first = engine.generate(two[:1], max_new_tokens=4)[0].token_ids
         before = engine.pool.kv.clone()
         second = engine.generate(two[1:], max_new_tokens=4)[0].token_ids
@@ -124,7 +125,7 @@ def test_caches_give_the_no_cache_tokens_and_reuse_quantized_pages_as_they_are(m
         assert engine.stats["cached_tokens"] >= len(prefix) // 16 * 16 > 0
         if cache == "radix":   # the prefix's rows, scales included, were read again, not rewritten
             slots = engine.cache.match_prefix(prefix).indices
-            assert len(slots) == len(prefix)
+            assert len(slots) == len(prefix) // 16 * 16 > 0   # whole pages
             assert torch.equal(engine.pool.kv[:, :, slots], before[:, :, slots])
 
 
@@ -140,22 +141,23 @@ def test_perplexity_is_teacher_forced_through_the_pool(model, tokenizer):
     assert kl_auto < 1e-9 < kl_int8 < 0.05
 
 
-def test_a_demoted_page_on_disk_is_smaller_with_int8_and_comes_back(model, tokenizer, prompts, tmp_path):
+def test_a_demoted_page_on_disk_is_smaller_quantized_and_comes_back(model, tokenizer, prompts, tmp_path):
     prefix, two = prompts
-    sizes = {}
-    for name in ("auto", "int8"):
+    sizes, out = {}, {}
+    for name in ("auto", "int8", "int4"):
         folder = tmp_path / name
         folder.mkdir()
-        engine = Engine(model, tokenizer, kv_cache_dtype=name, num_slots=256, disk_dir=folder,
+        engine = Engine(model, tokenizer, kv_cache_dtype=name, num_slots=256, page_size=16, disk_dir=folder,
                         write_policy="write_through")
-        out = engine.generate(two[:1], max_new_tokens=4)[0].token_ids
+        out[name] = engine.generate(two[:1], max_new_tokens=4)[0].token_ids
         files = list(folder.glob("*.kv"))
         assert files
         sizes[name] = max(f.stat().st_size for f in files)
-    assert sizes["int8"] < sizes["auto"] * 0.3
-    restarted = Engine(model, tokenizer, kv_cache_dtype="int8", num_slots=256, disk_dir=tmp_path / "int8")
-    assert restarted.generate(two[:1], max_new_tokens=4)[0].token_ids == out
-    assert restarted.stats["loaded_from_disk_tokens"] > 0
+    assert sizes["int4"] < sizes["int8"] < sizes["auto"] * 0.3
+    for name in ("int8", "int4"):
+        restarted = Engine(model, tokenizer, kv_cache_dtype=name, num_slots=256, page_size=16, disk_dir=tmp_path / name)
+        assert restarted.generate(two[:1], max_new_tokens=4)[0].token_ids == out[name]
+        assert restarted.stats["loaded_from_disk_tokens"] > 0
     foreign = Engine(model, tokenizer, kv_cache_dtype="fp8_e4m3", num_slots=256, disk_dir=tmp_path / "int8")
     foreign.generate(two[:1], max_new_tokens=1)
     assert foreign.stats["loaded_from_disk_tokens"] == 0   # another format's bytes are never read as its own

@@ -72,10 +72,11 @@ def resolve_attention_backend(name: str, device) -> str:
     return name
 
 
-def attention_function(backend: str):
-    """The attention function (chapter 5's signature) of a resolved backend, "torch" or "triton"."""
+def attention_function(backend: str, pool=None):
+    """The attention function (chapter 5's signature) of a resolved backend, "torch" or "triton": for
+    "torch", chapter 5's, or the one `pool`'s format brings (`format.attention`: chapter 10's int4)."""
     if backend == "torch":
-        return paged_attention
+        return getattr(pool and pool.format, "attention", paged_attention)
     from kvlearn.kernels.backend import triton_paged_attention
 
     return triton_paged_attention

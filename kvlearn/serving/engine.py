@@ -97,7 +97,7 @@ class Engine:
             backend = "torch" if c.attention_backend == "auto" and c.kv_cache_dtype != "auto" else c.attention_backend
             self.attention_backend = resolve_attention_backend(backend, model.device)
             # A learner's stage-1 decode kernel serves inside the Triton attention (config: backend "triton").
-            attention = served(c.parts, "decode_kernel") or attention_function(self.attention_backend)
+            attention = served(c.parts, "decode_kernel") or attention_function(self.attention_backend, self.pool)
         self.runner = ModelRunner(model, self.pool, model_forward=FastLlama(model).forward if fast else None,
                                   attention=attention)
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
