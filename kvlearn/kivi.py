@@ -9,7 +9,7 @@ per token; both asymmetric (codes 0..15 over [min, max]). Here a group is one pa
 - K waits. A channel's scale needs the whole page, so a page's exact K and V stay in `window` (one
   tensor per page, in the model's dtype) until its last slot is written; then its keys are quantized
   per channel, and each of the page's 16 slots keeps head_dim/16 channels' float16 scale and minimum
-  after its codes. K and V rows have one length, so a V row carries 16 unused bytes (head_dim 64).
+  after its codes. K and V rows have one length, so 8 bytes of a V row go unused (head_dim 64).
 - A query reads the pages before its own dequantized and its own page exact (`kivi_attention`), as KIVI
   reads its full-precision window: which version a query sees depends on positions only, so chunked
   prefill, prefix hits and the tiers give the tokens of one long prefill.

@@ -19,8 +19,9 @@ relative step for values above its subnormals (|x| >= 2^-6 s).
 `quality_table` does it for several formats (the first one the reference), e.g. over the chapter's
 frozen text: `python -c 'import kvlearn; from kvlearn.quant import HELD_OUT_TEXT, quality_table;
 m, t = kvlearn.load_model(); print(*quality_table(m, t.encode(HELD_OUT_TEXT)), sep="\\n")'`.
-`Rounding` and `simulated_attention` score layouts the pool does not store (int4 per token, KIVI's
-keys per channel) by rounding K and V as attention reads them: a simulation, said as such.
+`Rounding` and `simulated_attention` compare int4 layouts (per token, KIVI's keys per channel) by
+rounding K and V as attention reads them: a simulation, said as such. The pool stores KIVI's layout
+as "int4" (`kvlearn.kivi`, with its own attention).
 The engine serves these formats with chapter 5's torch attention; the Triton kernels (`kvlearn.kernels`)
 read "int8" too, quantizing in the store kernel and dequantizing in the tile load, fused; the fast
 path reads none (`EngineConfig` refuses what cannot read a format).
@@ -145,9 +146,10 @@ def quality_table(model, token_ids: list[int], names=("auto", "bfloat16", "fp8_e
     return table
 
 
-# --- Simulated layouts (int4 the KIVI way): rounded as attention reads, not stored ------------------
+# --- Simulated layouts (int4 per token, KIVI's): rounded as attention reads, not stored ----------
 #
-# The pool stores none of these yet. `Rounding` rounds K and V to `bits` and back in float32, the
+# Layouts compared before one is stored ("int4", kvlearn.kivi, is KIVI's with a page per group).
+# `Rounding` rounds K and V to `bits` and back in float32, the
 # way a layout would store them; `simulated_attention(rounding)` is chapter 5's attention over an
 # "auto" pool with each sequence's gathered context rounded just before SDPA, so perplexity_and_kl
 # can score a layout without a stored format.
