@@ -1,20 +1,15 @@
-"""Brute-force references that judge a part: they know nothing of nodes, heaps, hashes or padding.
+"""Brute-force references of the stateful parts (radix cache, block manager): no nodes, heaps or hashes.
 
-Each one keeps the state a chapter's structure stands for as plain Python data (dicts of token
-prefixes, lists of free pages) and says what every call must return. Where the chapter leaves a
-choice open (where in a block table the new blocks go, which leaf a radix cache evicts among equally
-old ones), the reference takes the part's choice once it has checked it is one of the allowed ones,
-and goes on from there. Attention (chapter 5) is computed one query at a time, its keys read slot
-by slot; the int8 quantizer (chapter 10) row by row, in float64. Used by `kvlearn.parts.check` and
-by the package's own property tests (tests/test_*_state_machine.py).
+Each keeps the state a chapter's structure stands for as plain Python data (dicts of token prefixes,
+lists of free pages) and says what every call must return. Where the chapter leaves a choice open
+(where in a block table the new blocks go, which leaf a radix cache evicts among equally old ones),
+the reference takes the part's choice once it has checked it is an allowed one, and goes on from
+there. Used by `kvlearn.parts.check` and by tests/test_*_state_machine.py. The stateless parts'
+references live in their suites (`suite_attention.attention_reference`, `suite_quantizer.int8_row`).
 """
-
 from __future__ import annotations
 
-import struct
 from collections import Counter
-
-import torch
 
 
 class RadixReference:
@@ -303,32 +298,3 @@ class BlockReference:
         self.evicted_blocks += len(self.cached)
         n, self.cached = len(self.cached) * self.bs, {}
         return n
-
-
-def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int], contexts: list[list[int]],
-                        scale: float):
-    """Paged attention one query at a time, in float64. `k_rows[slot]`, `v_rows[slot]`: one layer's
-    [kv_heads, head_dim] K and V at that slot (the new tokens' already written); `contexts[b]`: the
-    slots of sequence b's whole context, its new tokens the last `query_lens[b]`. New token t of
-    sequence b sits at position len(contexts[b]) - query_lens[b] + t and sees positions 0 .. that
-    one; query head h reads KV head h // (heads // kv_heads). Returns [T, heads, head_dim] in packed order."""
-    heads = query.shape[1]
-    out, t = [], 0
-    for q_len, context in zip(query_lens, contexts):
-        for i in range(q_len):
-            seen = context[:len(context) - q_len + i + 1]
-            k = torch.stack([k_rows[s] for s in seen]).double()        # [keys, kv_heads, head_dim]
-            v = torch.stack([v_rows[s] for s in seen]).double()
-            kv_of = [h // (heads // k.shape[1]) for h in range(heads)]
-            k, v = k[:, kv_of], v[:, kv_of]                              # [keys, heads, head_dim]
-            weights = torch.softmax(torch.einsum("hd,khd->hk", query[t].double(), k) * scale, dim=-1)
-            out.append(torch.einsum("hk,khd->hd", weights, v))
-            t += 1
-    return torch.stack(out)
-
-
-def int8_row(row: list[float]) -> tuple[float, list[float]]:
-    """The int8 quantizer of one row (chapter 10), in float64: its scale, absmax / 127 rounded to float32, and
-    each value's x / scale clamped to [-127, 127] (0 if the scale is), whose nearest integer is its code."""
-    scale = struct.unpack("f", struct.pack("f", max(map(abs, row)) / 127))[0]
-    return scale, [max(-127.0, min(127.0, v / scale)) if scale else 0.0 for v in row]

@@ -6,7 +6,7 @@ in every slot) and a few packed steps. A step is random metadata (`AttentionMeta
 slot drawn at random from the pool) and, like a forward of the model, one call per layer with
 random query, key and value. After each call the pool must hold what the reference pool holds (the
 step's K and V written slot by slot, nothing else changed) and the output must be the reference's
-(`kvlearn.parts.references.attention_reference`), both within `RTOL` and `ATOL` (`torch.allclose`).
+(`attention_reference` below), both within `RTOL` and `ATOL` (`torch.allclose`).
 When the output is wrong, the hint names the rule it breaks (`_diagnose`).
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from kvlearn.attention import AttentionMetadata
 from kvlearn.parts.attention import AttentionPart
-from kvlearn.parts.references import attention_reference
 from kvlearn.parts.judge import Broken, Trace
 from kvlearn.pool import KVPool
 
@@ -192,3 +191,25 @@ def _diagnose(got, query, rows, before, query_lens, contexts, scale) -> str:
 
 def _short(values: torch.Tensor) -> str:
     return "[" + ", ".join(f"{x:.4f}" for x in values.tolist()) + ", ...]"
+
+
+def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int], contexts: list[list[int]],
+                        scale: float):
+    """Paged attention one query at a time, in float64. `k_rows[slot]`, `v_rows[slot]`: one layer's
+    [kv_heads, head_dim] K and V at that slot (the new tokens' already written); `contexts[b]`: the
+    slots of sequence b's whole context, its new tokens the last `query_lens[b]`. New token t of
+    sequence b sits at position len(contexts[b]) - query_lens[b] + t and sees positions 0 .. that
+    one; query head h reads KV head h // (heads // kv_heads). Returns [T, heads, head_dim] in packed order."""
+    heads = query.shape[1]
+    out, t = [], 0
+    for q_len, context in zip(query_lens, contexts):
+        for i in range(q_len):
+            seen = context[:len(context) - q_len + i + 1]
+            k = torch.stack([k_rows[s] for s in seen]).double()        # [keys, kv_heads, head_dim]
+            v = torch.stack([v_rows[s] for s in seen]).double()
+            kv_of = [h // (heads // k.shape[1]) for h in range(heads)]
+            k, v = k[:, kv_of], v[:, kv_of]                              # [keys, heads, head_dim]
+            weights = torch.softmax(torch.einsum("hd,khd->hk", query[t].double(), k) * scale, dim=-1)
+            out.append(torch.einsum("hk,khd->hd", weights, v))
+            t += 1
+    return torch.stack(out)

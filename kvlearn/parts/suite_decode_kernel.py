@@ -17,7 +17,7 @@ import torch
 
 from kvlearn.parts.decode_kernel import DecodeKernelPart
 from kvlearn.parts.judge import Broken, Trace
-from kvlearn.parts.references import attention_reference
+from kvlearn.parts.suite_attention import attention_reference
 
 CONTRACT = DecodeKernelPart
 PROGRAMS, TIME_LIMIT_S = 24, 30.0   # a call is a whole interpreted launch: slow, and few are needed

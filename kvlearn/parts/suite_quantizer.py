@@ -2,15 +2,15 @@
 
 Batches x [tokens, kv_heads, head_dim], float32 or bfloat16, of rows drawn apart (random values of size 1e-3
 to 1e37; zeros; ties, x / scale = k + 0.5; tiny float32 values, x / scale past 127), each judged by
-`references.int8_row`; then some tokens again (the same bytes) and `dequantize` (codes * scale, in its dtype)."""
+`int8_row` below; then some tokens again (the same bytes) and `dequantize` (codes * scale, in its dtype)."""
 
 import random
+import struct
 
 import torch
 
 from kvlearn.parts.judge import Broken, Trace, shown
 from kvlearn.parts.quantizer import QuantizerPart
-from kvlearn.parts.references import int8_row
 
 CONTRACT = QuantizerPart
 DTYPES, KINDS = (torch.float32, torch.bfloat16), ("random", "zero", "tie", "tiny")   # tiny: float32 only
@@ -88,3 +88,10 @@ def run(impl, setup: dict, ops: list[int], trace: Trace) -> None:
         if far:
             raise Broken(f"dequantize at {far[0]}: codes * scale = {exact[tuple(far[0])].item()!r}, got "
                          f"{out[tuple(far[0])].item()!r}", HINTS["dequantize"])
+
+
+def int8_row(row: list[float]) -> tuple[float, list[float]]:
+    """The int8 quantizer of one row (chapter 10), in float64: its scale, absmax / 127 rounded to float32, and
+    each value's x / scale clamped to [-127, 127] (0 if the scale is), whose nearest integer is its code."""
+    scale = struct.unpack("f", struct.pack("f", max(map(abs, row)) / 127))[0]
+    return scale, [max(-127.0, min(127.0, v / scale)) if scale else 0.0 for v in row]
