@@ -143,17 +143,23 @@ def kivi_attention(query, key, value, layer: int, kv_pool, md, scale=None) -> to
     k_rows = kv_pool.k[layer].index_select(0, slots.reshape(-1)).view(B, pages, GROUP, *kv_pool.k[layer].shape[1:])
     k_old = fmt.keys(k_rows).flatten(1, 2)                                      # [B, L', H, D]
     v_old = fmt.values(kv_pool.v[layer].index_select(0, slots.reshape(-1))).view_as(k_old)
-    exact = torch.zeros(2, *k_old.shape, dtype=k_old.dtype, device=k_old.device)
     query_lens = torch.diff(md.last_token, prepend=md.last_token.new_tensor([-1]))
     q_pos = (md.kv_lens - query_lens)[:, None] + torch.arange(md.query_index.shape[1], device=slots.device)
-    for b, (start, end) in enumerate(zip((md.kv_lens - query_lens).tolist(), md.kv_lens.tolist())):
-        for p in range(start // GROUP, -(-end // GROUP)):   # the pages of this step's queries
-            page = int(slots[b, p * GROUP]) // GROUP
-            exact[:, b, p * GROUP:(p + 1) * GROUP] = fmt.window[page][layer].float()
-    k_pos = torch.arange(pages * GROUP, device=slots.device)
-    seen = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < md.kv_lens[:, None])[:, None, :]
-    own = (k_pos // GROUP)[None, None, :] == (q_pos // GROUP)[:, :, None]
-    mask = torch.cat([seen & ~own, seen & own], -1)[:, None]                    # [B, 1, Qmax, 2L']
+    first = (md.kv_lens - query_lens) // GROUP                # each sequence's first page in this step
+    own_pages = -(-md.kv_lens // GROUP) - first               # the pages its queries are on: in the window
+    exact = k_old.new_zeros(2, B, int(own_pages.max()) * GROUP, *k_old.shape[2:])
+    for b, (f, n) in enumerate(zip(first.tolist(), own_pages.tolist())):
+        for i in range(n):
+            exact[:, b, i * GROUP:(i + 1) * GROUP] = fmt.window[int(slots[b, (f + i) * GROUP]) // GROUP][layer]
+
+    def visible(k_pos, own: bool):   # [B, Qmax, keys]: causal, inside the context, on the query's page or before
+        seen = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos < md.kv_lens[:, None])[:, None, :]
+        same = (k_pos // GROUP)[:, None, :] == (q_pos // GROUP)[:, :, None]
+        return seen & (same if own else ~same)
+
+    old_pos = torch.arange(pages * GROUP, device=slots.device).expand(B, -1)
+    exact_pos = first[:, None] * GROUP + torch.arange(exact.shape[2], device=slots.device)
+    mask = torch.cat([visible(old_pos, False), visible(exact_pos, True)], -1)[:, None]   # [B, 1, Qmax, keys]
     k = torch.cat([k_old, exact[0]], 1).transpose(1, 2).to(query.dtype)
     v = torch.cat([v_old, exact[1]], 1).transpose(1, 2).to(query.dtype)
     q = query[md.query_index].transpose(1, 2)
