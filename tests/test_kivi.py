@@ -99,3 +99,14 @@ def test_int4_serves_the_same_tokens_in_any_chunking(model, tokenizer):
     expected = [o.token_ids for o in one.generate(prompts, max_new_tokens=6)]
     assert [o.token_ids for o in chunked.generate(prompts, max_new_tokens=6)] == expected
     assert len(chunked.pool.format.window) <= len(prompts)   # at most a partly written page per sequence
+
+
+def test_int4_keeps_its_tokens_when_a_small_pool_preempts_and_evicts(model, tokenizer):
+    text = tokenizer.encode("The ferry to the island leaves twice a day, once at seven in the morning and once at "
+                            "four in the afternoon. In winter the afternoon crossing is often cancelled.")
+    prompts = [text[i:i + 30] for i in range(4)]
+    small = Engine(model, tokenizer, kv_cache_dtype="int4", page_size=16, num_slots=96)
+    roomy = Engine(model, tokenizer, kv_cache_dtype="int4", page_size=16, num_slots=1024, cache="none")
+    got = [o.token_ids for o in small.generate(prompts, max_new_tokens=20)]
+    assert got == [o.token_ids for o in roomy.generate(prompts, max_new_tokens=20)]
+    assert small.stats["preemptions"] > 0 and small.stats["evicted_tokens"] > 0   # pages freed and reused
