@@ -19,8 +19,9 @@ relative step for values above its subnormals (|x| >= 2^-6 s).
 `quality_table` does it for several formats (the first one the reference), e.g. over the chapter's
 frozen text: `python -c 'import kvlearn; from kvlearn.quant import HELD_OUT_TEXT, quality_table;
 m, t = kvlearn.load_model(); print(*quality_table(m, t.encode(HELD_OUT_TEXT)), sep="\\n")'`.
-`Rounding` and `simulated_attention` compare int4 layouts (per token, KIVI's keys per channel) by
-rounding K and V as attention reads them: a simulation, said as such. The pool stores KIVI's layout
+`Rounding`, `PerLayerScale` and `simulated_attention` compare layouts (int4 per token or KIVI's, fp8
+with one scale per layer as vLLM's k_scale) by rounding K and V as attention reads them: a
+simulation, said as such. The pool stores KIVI's layout
 as "int4" (`kvlearn.kivi`, with its own attention).
 The engine serves these formats with chapter 5's torch attention; the Triton kernels (`kvlearn.kernels`)
 read "int8" too, quantizing in the store kernel and dequantizing in the tile load, fused; the fast
@@ -149,7 +150,7 @@ def quality_table(model, token_ids: list[int], names=("auto", "bfloat16", "fp8_e
 # --- Simulated layouts (int4 per token, KIVI's): rounded as attention reads, not stored ----------
 #
 # Layouts compared before one is stored ("int4", kvlearn.kivi, is KIVI's with a page per group).
-# `Rounding` rounds K and V to `bits` and back in float32, the
+# `Rounding` rounds K and V to `bits` and back in float32 (`PerLayerScale` through fp8), the
 # way a layout would store them; `simulated_attention(rounding)` is chapter 5's attention over an
 # "auto" pool with each sequence's gathered context rounded just before SDPA, so perplexity_and_kl
 # can score a layout without a stored format.
@@ -205,10 +206,10 @@ class Rounding:
                              "(the newest tokens, a group not yet whole, stay exact, as in KIVI).")
         self.bits, self.keys, self.symmetric, self.window, self.group = bits, keys, symmetric, window, group
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [B, kv_heads, L, head_dim] of B sequences, rounded. cached [B]: tokens each sequence
-        had before this step; with `window`, only its whole groups among them are rounded, so no
-        rounded token's scale depends on a later token."""
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, cached: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, kv_heads, L, head_dim] of B sequences of `layer`, rounded (the same way in every
+        layer). cached [B]: tokens each sequence had before this step; with `window`, only its whole
+        groups among them are rounded, so no rounded token's scale depends on a later token."""
         k_round = (round_per_channel(k, self.bits, self.group) if self.keys == "channel"
                    else round_per_token(k, self.bits, self.symmetric))
         v_round = round_per_token(v, self.bits, self.symmetric)
@@ -231,9 +232,34 @@ class Rounding:
         return f"Rounding(int{self.bits}, {keys}, values per token, {kind}{', window' if self.window else ''})"
 
 
-def simulated_attention(rounding: Rounding):
+
+class PerLayerScale:
+    """A simulated fp8 e4m3 layout with one scale per layer for K and one for V, as vLLM's per-tensor
+    `k_scale` and `v_scale`: x / s stored as e4m3 (saturating at +-448), s fixed beforehand.
+    `scales` [layers, 2] (K, V): `calibrated_scales` (a calibration text's absmax / 448 per layer), or
+    all 1.0 (what vLLM uses when a checkpoint brings none). `bytes_per_token`: the codes alone."""
+
+    def __init__(self, scales: torch.Tensor):
+        self.scales = scales.float()
+
+    def __call__(self, k, v, cached, layer: int):
+        return tuple((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+                     for x, s in zip((k, v), self.scales[layer].tolist()))
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim
+
+
+def calibrated_scales(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    """[layers, 2]: the absmax of K and of V over `slots` of an "auto" pool (a calibration text's
+    tokens), / 448, layer by layer."""
+    return torch.stack([torch.stack([pool.k[layer][slots].abs().amax(), pool.v[layer][slots].abs().amax()])
+                        for layer in range(pool.num_layers)]).float() / 448
+
+def simulated_attention(rounding):
     """Chapter 5's paged attention (signature of `kvlearn.attention.paged_attention`) over an "auto"
-    pool, with each sequence's gathered K and V passed through `rounding` before SDPA. With a window,
+    pool, with each sequence's gathered K and V passed through `rounding` (a `Rounding` or a
+    `PerLayerScale`) before SDPA. With a window,
     give perplexity_and_kl chunk=rounding.group, so each step is one group and every query sees its
     own group exact (a larger chunk rounds groups that some of its queries saw before they were whole)."""
     def attention(query, key, value, layer, kv_pool, md, scale=None):
@@ -241,7 +267,7 @@ def simulated_attention(rounding: Rounding):
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         k, v = (_context(c, md.kv_indices, query.dtype) for c in (kv_pool.k[layer], kv_pool.v[layer]))
         query_lens = torch.diff(md.last_token, prepend=md.last_token.new_tensor([-1]))
-        k, v = rounding(k, v, md.kv_lens - query_lens)
+        k, v = rounding(k, v, md.kv_lens - query_lens, layer)
         q = query[md.query_index].transpose(1, 2)                             # [B, heads, Qmax, D]
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=md.mask, scale=scale,
                                              enable_gqa=True)

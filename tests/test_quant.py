@@ -11,8 +11,8 @@ from hypothesis.extra.numpy import arrays
 from kvlearn import Engine, EngineConfig, KVPool
 from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig
-from kvlearn.quant import (FORMATS, Int8Format, Rounding, perplexity_and_kl, round_per_channel, round_per_token,
-                           simulated_attention)
+from kvlearn.quant import (FORMATS, Int8Format, PerLayerScale, Rounding, calibrated_scales, perplexity_and_kl,
+                           round_per_channel, round_per_token, simulated_attention)
 
 QUANTIZED = sorted(FORMATS)
 D = 8   # head_dim of the property tests
@@ -201,12 +201,12 @@ def test_rounding_per_channel_keeps_groups_apart_and_leaves_the_tail():
 def test_a_window_rounds_only_whole_groups_that_were_cached():
     k, v = torch.randn(2, 1, 80, 8), torch.randn(2, 1, 80, 8)
     kivi = Rounding(4, keys="channel", symmetric=False, window=True)
-    rk, rv = kivi(k, v, torch.tensor([70, 31]))
+    rk, rv = kivi(k, v, torch.tensor([70, 31]), 0)
     assert not torch.equal(rk[0, :, :64], k[0, :, :64]) and torch.equal(rk[0, :, 64:], k[0, :, 64:])
     assert torch.equal(rk[1], k[1]) and torch.equal(rv[1], v[1])         # 31 cached: no whole group yet
     assert torch.equal(rv[0, :, :64], round_per_token(v[0, :, :64], 4, symmetric=False))
     per_token = Rounding(4)
-    assert torch.equal(per_token(k, v, torch.tensor([0, 0]))[0], round_per_token(k, 4, symmetric=True))
+    assert torch.equal(per_token(k, v, torch.tensor([0, 0]), 3)[0], round_per_token(k, 4, symmetric=True))
     with pytest.raises(ValueError, match="window=True"):
         Rounding(4, keys="channel")
     with pytest.raises(ValueError, match="'token' or 'channel'"):
@@ -236,3 +236,19 @@ def test_a_simulation_at_8_bits_scores_as_the_int8_pool(model, tokenizer):
 
         pool = KVPool.for_model(model.config, num_slots=len(ids))
         ModelRunner(model, pool, model_forward=FastLlama(model).forward).run([ids], [pool.alloc(len(ids))], every_token=True)
+
+
+def test_a_per_layer_fp8_scale_is_the_layers_own_and_saturates_past_it():
+    pool = KVPool(2, 1, 8, 4)
+    slots = pool.alloc(4)
+    for layer, size in ((0, 4.48), (1, 448.0)):
+        pool.write(layer, slots, torch.full((4, 1, 8), size), -torch.full((4, 1, 8), 2 * size))
+    scales = calibrated_scales(pool, slots)
+    assert torch.allclose(scales, torch.tensor([[0.01, 0.02], [1.0, 2.0]]))
+    layout = PerLayerScale(scales)
+    k = torch.tensor([[[[0.5, -3.0, 4.48, 100.0]]]])   # [B, kv_heads, L, D]: the last value past 448 * 0.01
+    rk, _ = layout(k, k, torch.tensor([0]), 0)
+    assert rk[0, 0, 0, 3] == 4.48 and torch.allclose(rk[..., :3], k[..., :3], rtol=2 ** -4)
+    assert torch.equal(layout(k, k, torch.tensor([0]), 1)[0], k.to(torch.float8_e4m3fn).float())   # scale 1.0
+    assert layout.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64
+
