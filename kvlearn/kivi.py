@@ -47,6 +47,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
 
 
+def check_pages(pool) -> None:
+    if pool.page_size != GROUP:
+        raise ValueError(f"kv_cache_dtype 'int4' quantizes keys over a page of {GROUP} tokens, so the pool needs "
+                         f"page_size={GROUP}, not {pool.page_size}: Engine(..., page_size={GROUP}).")
+
+
 class KiviFormat:
     """kv_cache_dtype "int4": the pool's rows (uint8, head_dim/2 + head_dim/4 bytes) and its window."""
 
@@ -63,21 +69,20 @@ class KiviFormat:
     def encode(self, x, *args):
         raise ValueError("An int4 pool is written and read by its own attention, kvlearn.kivi.kivi_attention (a "
                          "key's scale needs its whole page): serve it with Engine(..., kv_cache_dtype='int4', "
-                         "page_size=16), or give ModelRunner(..., attention=pool.format.attention).")
+                         "page_size=16), or give ModelRunner(..., attention=pool.format.attention_for(pool)).")
 
     decode = encode
 
-    @property
-    def attention(self):
-        """The attention that reads this format (chapter 5's signature): `kivi_attention`."""
+    def attention_for(self, pool):
+        """The attention that reads this format in `pool` (chapter 5's signature): `kivi_attention`;
+        ValueError unless the pool's pages are key groups."""
+        check_pages(pool)
         return kivi_attention
 
     def write(self, pool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a step's K and V of `layer` at `slots` (a sequence's slots in token order): V quantized,
         K and V exact in the window, and the keys of every page this write fills quantized per channel."""
-        if pool.page_size != GROUP:
-            raise ValueError(f"kv_cache_dtype 'int4' quantizes keys over a page of {GROUP} tokens, so the pool "
-                             f"needs page_size={GROUP}, not {pool.page_size}: Engine(..., page_size={GROUP}).")
+        check_pages(pool)
         if layer == 0:
             self.forget(pool)
         codes, scale, lo = quantize(v.float(), -1)

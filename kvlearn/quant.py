@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlearn.errors import check_positive_int
+from kvlearn.kernels import attention_function
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner
 
@@ -119,7 +120,7 @@ def perplexity_and_kl(model, token_ids: list[int], kv_cache_dtype: str, referenc
     check_positive_int("chunk", chunk)
     pool = KVPool.for_model(model.config, num_slots=-(-n // 16) * 16, dtype=model.dtype, device=model.device,
                             page_size=16, kv_cache_dtype=kv_cache_dtype)
-    runner = ModelRunner(model, pool, attention=attention or getattr(pool.format, "attention", None))
+    runner = ModelRunner(model, pool, attention=attention or attention_function("torch", pool))
     slots = pool.alloc(pool.num_slots)
     logps = []
     with runner.active():

@@ -91,6 +91,11 @@ def test_an_int4_pool_says_what_it_needs():
         EngineConfig(kv_cache_dtype="int4", parts={"quantizer": KiviFormat})
 
 
+def test_an_int4_engine_without_pages_of_16_is_refused_when_built(model, tokenizer):
+    with pytest.raises(ValueError, match="page_size=16"):
+        Engine(model, tokenizer, kv_cache_dtype="int4", num_slots=64)   # radix: pages of 1 unless told
+
+
 def test_int4_serves_the_same_tokens_in_any_chunking(model, tokenizer):
     prompts = [tokenizer.encode("A pool of pages, each a group of sixteen keys quantized per channel, and a window "
                                 "of exact tokens for the page being written."), tokenizer.encode("Why?")]
