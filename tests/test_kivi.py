@@ -115,3 +115,20 @@ def test_int4_keeps_its_tokens_when_a_small_pool_preempts_and_evicts(model, toke
     got = [o.token_ids for o in small.generate(prompts, max_new_tokens=20)]
     assert got == [o.token_ids for o in roomy.generate(prompts, max_new_tokens=20)]
     assert small.stats["preemptions"] > 0 and small.stats["evicted_tokens"] > 0   # pages freed and reused
+
+
+def test_int4_pages_move_to_the_host_tier_and_back_with_their_scales(model, tokenizer):
+    from kvlearn.serving.workloads import make_workload
+
+    chat = make_workload("multi_turn", tokenizer, num_conversations=2, num_turns=2)
+    longest = max(len(p) for p in chat.prompts) + 4
+    small = -(-max(sum(len(p) + 4 for p in chat.prompts) // 5, longest) // GROUP) * GROUP
+    tiered = Engine(model, tokenizer, kv_cache_dtype="int4", page_size=GROUP, num_slots=small, host_slots=512)
+    roomy = Engine(model, tokenizer, kv_cache_dtype="int4", page_size=GROUP, num_slots=2048)
+    loaded = 0
+    for turn in range(2):   # a round of both conversations at a time
+        prompts = chat.prompt_lists()[2 * turn:2 * turn + 2]
+        got = [o.token_ids for o in tiered.generate(prompts, max_new_tokens=4)]
+        assert got == [o.token_ids for o in roomy.generate(prompts, max_new_tokens=4)]
+        loaded += tiered.stats["loaded_from_host_tokens"]
+    assert loaded > 0 and tiered.stats["offloaded_tokens"] > 0
