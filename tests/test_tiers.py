@@ -368,3 +368,31 @@ def test_the_tree_rewrites_a_page_it_found_bad(tmp_path, damage):
     assert kv is not None and kv[0, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
     tree.check_invariants()
     assert pool.num_free == pool.num_slots
+
+
+def test_a_disk_page_found_bad_is_not_loaded_past_the_slots_even_once_readable_again(tmp_path):
+    """A file found bad leaves `reachable_len`, which sizes the caller's slots; if the file becomes
+    readable again (restored by hand, say), `load_back` still loads only into the slots it got."""
+    pool = KVPool(1, 1, 1, 12, page_size=2)
+    disk = DiskStore(tmp_path, "toy", torch.float32, (1, 1, 1), 4)
+    tree = TieredRadixCache(pool, None, disk, "write_back")
+    key = [0, 0, 0, 0]
+    tree.insert(key, pool.alloc(4))
+    tree.evict(4)                                   # write-back: the page goes to disk
+    path = disk.files()[0]
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+
+    def load():
+        match = tree.match_prefix(key)
+        tree.lock(match.last_node)
+        slots = torch.cat([match.indices, pool.alloc(tree.reachable_len(key) - len(match))])
+        end, node = tree.load_back(key, match.last_node, slots)
+        pool.free(slots[end:])
+        tree.unlock(node)
+        return end
+
+    assert load() == 0 and disk.stats["miss_corrupt"] == 1   # found bad
+    path.write_bytes(raw)                                    # readable again
+    assert tree.reachable_len(key) == 0 and load() == 0      # still a miss: never past the slots
+    assert pool.num_free == pool.num_slots

@@ -180,12 +180,14 @@ class TieredRadixCache(RadixCache):
         return i
 
     def _load_disk(self, key: list, start: int, slots: torch.Tensor) -> int:
-        """Read the valid disk pages that continue key[:start] into `slots`; return the new end."""
+        """Read the valid disk pages that continue key[:start] into `slots` (those that fit in it: the
+        caller sized it by `reachable_len`, and a file found bad may have become readable since);
+        return the new end."""
         fault_point("tiers.load_disk")
         if self.disk is None:
             return start
         p, hashes, end = self.disk.page_tokens, self.disk.entry_keys(key), start
-        for i in range(start // p, len(hashes)):
+        for i in range(start // p, min(len(hashes), len(slots) // p)):
             kv = self.disk.get(hashes[i], key[i * p:(i + 1) * p])
             if kv is None:
                 break
