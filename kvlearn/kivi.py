@@ -25,21 +25,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvlearn.quant import asymmetric
+
 GROUP = 16     # tokens per key group: the pool's page_size
-LEVELS = 15    # int4 codes 0..15
-
-
-def quantize(x: torch.Tensor, dim: int, stored=torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes uint8 in 0..LEVELS, scale, minimum) of x (float32), asymmetric over `dim` (scale and minimum
-    keep it as size 1), as `stored` will keep them: the codes are computed from the stored values.
-    A constant run gives scale 0 and codes 0, so it comes back as its minimum."""
-    lo = x.amin(dim, keepdim=True).to(stored).float()
-    scale = ((x.amax(dim, keepdim=True) - lo) / LEVELS).to(stored).float()
-    return ((x - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, LEVELS).to(torch.uint8), scale, lo
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """Two int4 codes a byte: [..., D] -> [..., D/2], the even channel in the low half."""
+    """Two int4 codes (0..15, any dtype) a byte: [..., D] -> [..., D/2] uint8, the even channel in the low half."""
+    codes = codes.to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -85,7 +78,7 @@ class KiviFormat:
         check_pages(pool)
         if layer == 0:
             self.forget(pool)
-        codes, scale, lo = quantize(v.float(), -1)
+        codes, scale, lo = asymmetric(v.float(), -1, 4)
         rows = torch.zeros(*v.shape[:-1], self.row, dtype=torch.uint8, device=v.device)
         rows[..., :self.head_dim // 2] = pack(codes)
         rows[..., self.head_dim // 2:self.head_dim // 2 + 8] = torch.cat([scale, lo], -1).view(torch.uint8)
@@ -108,7 +101,7 @@ class KiviFormat:
     def page_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """The K rows [pages, GROUP, H, row] of whole pages of keys [pages, GROUP, H, D]: codes per
         channel over the page, and slot i keeps channels [i*D/16, (i+1)*D/16)'s float16 scale and minimum."""
-        codes, scale, lo = quantize(keys, 1, torch.float16)
+        codes, scale, lo = asymmetric(keys, 1, 4, torch.float16)
         params = torch.cat([scale, lo], 1).half().view(torch.uint8)                # [pages, 2, H, 2D] bytes
         params = params.transpose(1, 2).reshape(*params.shape[:1], params.shape[2], GROUP, -1).transpose(1, 2)
         return torch.cat([pack(codes), params], -1)

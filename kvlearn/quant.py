@@ -165,7 +165,8 @@ def round_per_token(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor
         qmax = 2.0 ** (bits - 1) - 1
         scale = x.abs().amax(-1, keepdim=True) / qmax
         return (x / torch.where(scale > 0, scale, 1.0)).clamp(-qmax, qmax).round() * scale
-    return _round_asymmetric(x, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), bits)
+    codes, scale, lo = asymmetric(x, -1, bits)
+    return codes * scale + lo
 
 
 def round_per_channel(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -175,15 +176,20 @@ def round_per_channel(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     x = x.float()
     whole = x.shape[-2] // group * group
     g = x[..., :whole, :].unflatten(-2, (whole // group, group))        # [..., groups, group, head_dim]
-    rounded = _round_asymmetric(g, g.amin(-2, keepdim=True), g.amax(-2, keepdim=True), bits).flatten(-3, -2)
-    return torch.cat([rounded, x[..., whole:, :]], dim=-2)
+    codes, scale, lo = asymmetric(g, -2, bits)
+    return torch.cat([(codes * scale + lo).flatten(-3, -2), x[..., whole:, :]], dim=-2)
 
 
-def _round_asymmetric(x, lo, hi, bits):
+def asymmetric(x: torch.Tensor, dim: int, bits: int, stored=torch.float32):
+    """(codes, scale, minimum) of x (float32) rounded to `bits` asymmetrically over `dim`: codes in
+    [0, 2^bits - 1] (as floats) over [min, max], scale and minimum keeping `dim` as size 1, as `stored`
+    keeps them (the codes come from the stored values). A constant run has scale 0 and codes 0, so it
+    comes back as its minimum. The simulated layouts round with it, and so does the pool's "int4"
+    (kvlearn.kivi, with float16 key scales)."""
     levels = 2.0 ** bits - 1
-    scale = (hi - lo) / levels
-    q = ((x - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, levels)
-    return q * scale + lo
+    lo = x.amin(dim, keepdim=True).to(stored).float()
+    scale = ((x.amax(dim, keepdim=True) - lo) / levels).to(stored).float()
+    return ((x - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, levels), scale, lo
 
 
 class Rounding:
@@ -207,7 +213,8 @@ class Rounding:
                              "(the newest tokens, a group not yet whole, stay exact, as in KIVI).")
         self.bits, self.keys, self.symmetric, self.window, self.group = bits, keys, symmetric, window, group
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, cached: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, cached: torch.Tensor,
+                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, kv_heads, L, head_dim] of B sequences of `layer`, rounded (the same way in every
         layer). cached [B]: tokens each sequence had before this step; with `window`, only its whole
         groups among them are rounded, so no rounded token's scale depends on a later token."""

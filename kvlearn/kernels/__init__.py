@@ -72,12 +72,12 @@ def resolve_attention_backend(name: str, device) -> str:
     return name
 
 
-def attention_function(backend: str, pool=None):
-    """The attention function (chapter 5's signature) of a resolved backend, "torch" or "triton": for
-    "torch", chapter 5's, or the one `pool`'s format brings (`format.attention_for(pool)`: chapter 10's
-    int4, which may refuse the pool)."""
+def attention_function(backend: str, pool):
+    """The attention function (chapter 5's signature) of a resolved backend, "torch" or "triton", over
+    `pool`: for "torch", chapter 5's, or the one the pool's format brings (`format.attention_for(pool)`:
+    chapter 10's int4, which may refuse the pool)."""
     if backend == "torch":
-        own = getattr(getattr(pool, "format", None), "attention_for", None)
+        own = getattr(pool.format, "attention_for", None)
         return paged_attention if own is None else own(pool)
     from kvlearn.kernels.backend import triton_paged_attention
 

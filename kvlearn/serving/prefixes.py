@@ -8,9 +8,8 @@ from __future__ import annotations
 
 
 def common_prefix_len(a, b) -> int:
-    """Length of the longest common prefix of the sequences `a` and `b` (lists or tuples). The
-    first mismatch is found by bisection on slice equality, which compares in C: no Python step
-    per token."""
+    """Length of the longest common prefix of the sequences `a` and `b` (lists or tuples). The first
+    mismatch is found by bisection on slice equality, which compares in C: no Python step per token."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
