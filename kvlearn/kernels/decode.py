@@ -30,11 +30,16 @@ its own work. On a CPU in Triton's interpreter a split is only more programs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpreterError
 
-from kvlearn.kernels.common import check_decode, check_kernel, dot_dtype, tile
+from kvlearn.kernels.common import INTERPRETED, check_decode, check_kernel, dot_dtype, tile
+from kvlearn.kernels.decode_rules import obeyed
+from kvlearn.kernels.watch import AddressError, watch
 
 BLOCK_N = 64          # context positions per tile
 SPLIT_TOKENS = 512    # a context gets one split per this many positions of the step's longest ...
@@ -125,6 +130,22 @@ def num_splits_for(max_context: int) -> int:
     return max(1, min(MAX_SPLITS, -(-max_context // SPLIT_TOKENS)))
 
 
+@contextmanager
+def guarded(kernel, tensors: tuple, page_size: int, splits: int):
+    """A kernel other than `decode_kernel`, run in the interpreter, under `kvlearn.kernels.decode_rules`:
+    its first access outside them raises `AddressError` (not the interpreter's wrapping of it)."""
+    if kernel is decode_kernel or not INTERPRETED:
+        yield
+        return
+    try:
+        with watch(obeyed(*tensors, page_size, splits)):
+            yield
+    except InterpreterError as error:
+        if isinstance(error.__cause__, AddressError):
+            raise error.__cause__ from None
+        raise
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                            kv_lens: torch.Tensor, scale: float, page_size: int = 1,
                            num_splits: int | None = None, stage1=None) -> torch.Tensor:
@@ -147,12 +168,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     room = max(splits, MAX_SPLITS)
     part_out = torch.empty(batch, heads, room, head_dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(batch, heads, room, dtype=torch.float32, device=query.device)
-    kernel[(batch, kv_heads, splits)](
-        query, k_cache, v_cache, table, kv_lens, part_out, part_lse, scale, splits,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype(k_cache.dtype),
-        BLOCK_H=tile(heads // kv_heads), BLOCK_D=tile(head_dim), BLOCK_N=BLOCK_N, **STAGE1_LAUNCH)
+    tensors = (query, k_cache, v_cache, table, kv_lens, part_out, part_lse)
+    with guarded(kernel, tensors, page_size, splits):
+        kernel[(batch, kv_heads, splits)](
+            *tensors, scale, splits,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype(k_cache.dtype),
+            BLOCK_H=tile(heads // kv_heads), BLOCK_D=tile(head_dim), BLOCK_N=BLOCK_N, **STAGE1_LAUNCH)
     out = torch.empty(batch, heads, head_dim, dtype=query.dtype, device=query.device)
     decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, out, splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),

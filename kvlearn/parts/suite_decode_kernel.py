@@ -4,8 +4,10 @@ interpreter by `paged_decode_attention(..., stage1=kernel)`, judged by attention
 A program is one decode step: 1-4 sequences at the tile edges (1, 63, 64, 65 positions) or of a few
 tiles, in 1-3 splits (some empty), GQA groups 1, 3 or 4 over 1-3 KV heads, head_dim 64, 80 or 128, a
 float32 or bfloat16 pool of shuffled pages of 1, 6 or 16 slots, poisoned: slots no table reaches hold
-NaN, slots a table reaches at or past kv_len K 0 and V 1e8. A wrong output's hint comes from the
-kernel run again on changed inputs (`_diagnose`), never from wrong variants of the reference.
+NaN, slots a table reaches at or past kv_len K 0 and V 1e8. An access outside the rules of
+`kvlearn.kernels.decode_rules` (outside the pool, another table row, an unmasked table load) is stopped
+before it is made and named. A wrong output's hint comes from the kernel run again on changed inputs
+(`_diagnose`), never from wrong variants of the reference.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from functools import partial
 import torch
 
 from kvlearn.parts.decode_kernel import DecodeKernelPart
-from kvlearn.parts.judge import Broken, Trace
+from kvlearn.kernels.watch import AddressError
+from kvlearn.parts.judge import Broken, Raised, Trace
 from kvlearn.parts.suite_attention import attention_reference
 
 CONTRACT = DecodeKernelPart
@@ -29,7 +32,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HINTS = {
     "paged_decode_attention": "the kernel must run in Triton's interpreter: read the error above.",
     "slot": "the slot formula: position pos lives at slot table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE, "
-            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A NaN slot was read.",
+            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A slot no table reaches was read.",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
             "masks its loads and sets its scores to -inf (tl.where(ok[None, :], score, float('-inf'))).",
     "nan": "NaN, inf or huge values from arithmetic, not a read (NaN everywhere: is the tile loop written? each tile "
@@ -41,6 +44,15 @@ HINTS = {
                "that ok masks has score -inf), both rescaled alike by alpha (with V = 1 the output is 1).",
     "split": "a split's log-sum-exp: right with one split, wrong with several. A split covers positions start .. "
              "end - 1 and ends with m + log(l) = the log of its sum of exp(score).",
+    "table row": "row b of the table starts at table + b * stride_tb: a program reads its own sequence's row, "
+                 "never another's.",
+    "table index": "the table holds one entry per page, not per position: position pos's page is entry "
+                   "pos // PAGE_SIZE of row b (table + b * stride_tb + pos // PAGE_SIZE).",
+    "table mask": "load the table with mask=ok (and other=0): an unmasked load reads the entries of the whole tile, "
+                  "past the split's end, and past the row on the last tile: on a GPU, another tensor's memory.",
+    "outside": "an address is a tensor's pointer plus an offset built from this program's own indices and the "
+               "strides the launcher passes (query + b * stride_qt + head * stride_qh + d): check each offset.",
+    "store": "stage 1 writes only its own results: acc / l into part_out and m + log(l) into part_lse.",
     "range": "each position once, from its own row: the tile's positions are n + tl.arange(0, BLOCK_N), their K and V "
              "at slot[:, None] * stride_cs + g * stride_ch + d[None, :] (with equal scores the output is V's mean).",
     "rescale": "the running sum and the accumulator were not rescaled by exp(m_old - m_new) when the max grew: "
@@ -97,14 +109,17 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     for b, c in enumerate(contexts):
         one[b, :len(c)] = torch.tensor(c)
 
-    def launch(kk=k, vv=v, lengths=kv_lens, splits=setup["splits"], layout=(table, ps), quiet=True, fill=torch.nan):
+    def launch(kk=k, vv=v, lengths=kv_lens, splits=setup["splits"], layout=(table, ps), quiet=True):
         line = (f"out = paged_decode_attention(query, k_cache, v_cache, table, kv_lens={lengths.tolist()}, "
                 f"scale={scale:.4g}, page_size={layout[1]}, num_splits={splits}, stage1={name})")
-        # The caches lie inside NaN (`fill`) slots: a wrong slot a little outside the pool reads them, not memory.
-        kk, vv = (torch.cat([x.new_full((300, *x.shape[1:]), fill), x, x.new_full((300 + len(x), *x.shape[1:]), fill)])
-                  [300:300 + len(x)] for x in (kk, vv))
-        return trace.call(line, paged_decode_attention, query, kk, vv, layout[0], lengths, scale, layout[1], splits,
-                          stage1=impl, quiet=quiet).double().cpu()
+        try:
+            out = trace.call(line, paged_decode_attention, query, kk, vv, layout[0], lengths, scale, layout[1],
+                             splits, stage1=impl, quiet=quiet)
+        except Raised as raised:   # an access the rules forbid, stopped before it was made
+            if isinstance(raised.error, AddressError):
+                raise Broken(str(raised.error), HINTS[raised.error.rule]) from None
+            raise
+        return out.double().cpu()
 
     def right(out, kk=k, vv=v, lengths=lens) -> bool:
         rows = [c[:n] for c, n in zip(contexts, lengths)]
@@ -129,7 +144,7 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
     if setup["page_size"] > 1 and right(got := launch()):
         return "slot"
     nan, huge = got.isnan().any(), (got.abs() > 100).any()
-    if nan and not launch(kk=k.nan_to_num(0.0), vv=v.nan_to_num(0.0), fill=0.0).isnan().any():
+    if nan and not launch(kk=k.nan_to_num(0.0), vv=v.nan_to_num(0.0)).isnan().any():
         return "slot"
     if huge and not (launch(vv=v.masked_fill(past[:, None, None].to(v.device), 0.0)).abs() > 100).any():
         return "past"

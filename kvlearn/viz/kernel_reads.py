@@ -1,11 +1,11 @@
 """What a decode kernel read: which program (sequence, KV head, split) loaded which slots of the pool,
 recorded from a real run in Triton's interpreter, and drawn over the block table (chapter 5).
 
-Triton-Viz records a kernel's loads the same way: while one launch runs, `record_reads` wraps the
-interpreter's masked load (`interpreter_builder.create_masked_load`, which every `tl.load` of an
-interpreted kernel ends in) and notes, for the program running (its grid index), each address the
-load did not mask that falls inside k_cache or v_cache, as a slot of the pool. Interpreter only:
-on a GPU nothing is recorded (a ValueError says so). Triton is imported inside the functions.
+Triton-Viz records a kernel's loads the same way: while one launch runs, `record_reads` watches the
+interpreter's loads (`kvlearn.kernels.watch`) and notes, for the program running (its grid index),
+each address a load did not mask that falls inside k_cache or v_cache, as a slot of the pool.
+Interpreter only: on a GPU nothing is recorded (a ValueError says so). Triton is imported inside
+the functions.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvlearn.kernels.watch import AddressError, Spans, watch
 from kvlearn.viz.palette import INK, MASK, STATES
 
 
@@ -23,7 +24,8 @@ from kvlearn.viz.palette import INK, MASK, STATES
 class KernelReads:
     """One launch's reads: `slots[(b, g, s)]`, the pool slots program (b, g, s) loaded K or V from
     (sorted), beside what it should read: the slots of positions `start .. end - 1` of its split
-    (`expected`), from the table, `kv_lens`, `page_size` and `num_splits` of the launch."""
+    (`expected`), from the table, `kv_lens`, `page_size` and `num_splits` of the launch; `kernel`
+    names the kernel that ran, `stopped` why the rules stopped it (None: it ran to its end)."""
 
     slots: dict[tuple[int, int, int], list[int]]
     table: torch.Tensor
@@ -31,6 +33,8 @@ class KernelReads:
     page_size: int
     num_splits: int
     num_slots: int
+    kernel: str = "the package's decode_kernel"   # whose kernel ran: its name
+    stopped: str | None = None                     # why it was stopped before its end, if it was
 
     def expected(self, b: int, s: int) -> list[int]:
         """The slots of split s of sequence b's context, in position order."""
@@ -49,43 +53,41 @@ class KernelReads:
 def record_reads(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """While the block runs, every interpreted load that reads k_cache or v_cache adds the slots it
     read to the yielded dict {grid index (b, g, s): set of slots}."""
-    from triton.runtime import interpreter
-
-    if not isinstance(interpreter.interpreter_builder, interpreter.InterpreterBuilder) or k_cache.is_cuda:
+    if k_cache.is_cuda:
         raise ValueError("record_reads needs kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1).")
-    builder, reads = interpreter.interpreter_builder, {}
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t) for t in (k_cache, v_cache)]
+    spans, reads = Spans(k_cache=k_cache, v_cache=v_cache), {}
 
-    def load(ptrs, mask, other, *rest):
-        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.int64).ravel()
-        for start, end, t in spans:
-            inside = addresses[(addresses >= start) & (addresses < end)]
-            if len(inside):
-                slots = (inside - start) // t.element_size() // t.stride(0)
-                reads.setdefault(tuple(builder.grid_idx), set()).update(slots.tolist())
-        return original(ptrs, mask, other, *rest)
+    def see(kind, program, addresses):
+        found = spans.where(addresses) if kind == "load" else np.array([], dtype=np.int64)
+        for i, (name, t) in enumerate(spans.tensors.items()):
+            if (found == i).any():
+                slots = spans.elements(addresses[found == i], name) // t.stride(0)
+                reads.setdefault(program, set()).update(slots.tolist())
 
-    original = builder.create_masked_load
-    builder.create_masked_load = load
-    try:
+    with watch(see):
         yield reads
-    finally:
-        del builder.create_masked_load   # the class's method again
 
 
 def kernel_reads(kernel, query, k_cache, v_cache, table, kv_lens, scale: float, page_size: int = 1,
                  num_splits: int = 1) -> KernelReads:
     """Run `paged_decode_attention(..., stage1=kernel)` once (None: the package's kernel), recording
-    what its stage 1 read."""
+    what its stage 1 read. A kernel stopped by `kvlearn.kernels.decode_rules` (an access outside its
+    rules) keeps what it read until then, and `stopped` says why."""
     from kvlearn.kernels.decode import paged_decode_attention
 
+    stopped = None
     with record_reads(k_cache, v_cache) as reads:
-        paged_decode_attention(query, k_cache, v_cache, table, kv_lens, scale, page_size, num_splits, stage1=kernel)
+        try:
+            paged_decode_attention(query, k_cache, v_cache, table, kv_lens, scale, page_size, num_splits,
+                                   stage1=kernel)
+        except AddressError as error:
+            stopped = str(error)
     return KernelReads({prog: sorted(read) for prog, read in sorted(reads.items())}, table.cpu(), kv_lens.tolist(),
-                       page_size, num_splits, k_cache.shape[0])
+                       page_size, num_splits, k_cache.shape[0],
+                       "the package's decode_kernel" if kernel is None else kernel.__name__, stopped)
 
 
-def draw_kernel_reads(reads: KernelReads, title: str = "what each program of the decode kernel read"):
+def draw_kernel_reads(reads: KernelReads, title: str | None = None):
     """A matplotlib figure: one row per program (b, g, s), one column per pool slot, pages outlined and
     labelled by the table entry that holds them; a slot is blue when the program read it and should
     have, pale when it should have and did not, red when it read it and should not have."""
@@ -117,6 +119,9 @@ def draw_kernel_reads(reads: KernelReads, title: str = "what each program of the
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours[1:]]
     ax.legend(handles, ["its split's, not read", "read, its split's", "read, not its split's"], loc="upper left",
               bbox_to_anchor=(1.01, 1), frameon=False, fontsize=8)
-    ax.set_title(title)
+    if title is None:
+        title = f"what each program of {reads.kernel} read"
+        title += f"\n(stopped: {reads.stopped})" if reads.stopped else ""
+    ax.set_title(title, fontsize=9 if reads.stopped else None)
     fig.tight_layout()
     return fig
