@@ -32,7 +32,7 @@ from importlib import import_module
 import torch
 
 from kvlearn.attention import paged_attention
-from kvlearn.errors import check_choice
+from kvlearn.errors import PartError, check_choice
 
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
 
@@ -86,13 +86,26 @@ def attention_function(backend: str, pool):
 
 def stage1_attention(kernel):
     """The Triton attention with `kernel` (a learner's part) as the decode's stage 1; ValueError where
-    Triton cannot run here, TypeError for what is not a kernel with the worked kernel's parameters."""
+    Triton cannot run here, TypeError for what is not a kernel with the worked kernel's parameters.
+    In the interpreter, an access outside `kvlearn.kernels.decode_rules` raises `PartError` before it is made."""
     resolve_attention_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")
     from kvlearn.kernels.backend import triton_paged_attention
     from kvlearn.kernels.common import check_kernel
+    from kvlearn.kernels.watch import AddressError
 
-    return partial(triton_paged_attention, stage1=check_kernel("parts['decode_kernel']", kernel,
-                                                               like=DECODE_KERNEL.kernel))
+    attend = partial(triton_paged_attention, stage1=check_kernel("parts['decode_kernel']", kernel,
+                                                                 like=DECODE_KERNEL.kernel))
+
+    def attention(query, key, value, layer, kv_pool, md, scale=None):
+        try:
+            return attend(query, key, value, layer, kv_pool, md, scale)
+        except AddressError as error:
+            raise PartError("decode_kernel", kernel, f"attention(layer {layer}, {query.shape[0]} tokens)",
+                            "nothing: it was stopped before an access", f"{error}, which its rules forbid "
+                            "(kvlearn.kernels.decode_rules)") from None
+
+    attention.__qualname__ = kernel.__name__
+    return attention
 
 
 class LazyKernel:

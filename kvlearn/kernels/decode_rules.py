@@ -6,10 +6,11 @@ exercise) under these rules (`obeyed`). Program (b, g, s) may:
 - load from `table` only row b's entries of its split's positions, start // PAGE_SIZE ..
   (end - 1) // PAGE_SIZE: a lane that `ok` masks off loads nothing;
 - store only into part_out and part_lse.
-The first access that breaks a rule raises `AddressError` before it is made (its `rule`, the likely
-cause: "outside", "slot", "table row", "table index", "table mask", "past" or "store"), naming the program, the address and what it hit: in the
-interpreter a wrong index is a verdict, never a segfault. A GPU checks none of this: a read outside
-memory there ends the CUDA context, and one inside it silently reads another tensor's numbers.
+The first access that breaks a rule raises `AddressError` before it is made, naming the program,
+the address and what it hit; its `rule` is the likely cause ("outside", "table row", "table index",
+"table mask", "past" or "store"). In the interpreter a wrong index is a verdict, never a segfault. A
+GPU checks none of this: a read outside memory there ends the CUDA context, and one inside it
+silently reads another tensor's numbers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def obeyed(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, page_siz
         if kind == "load" and ((found == TABLE).any() or (near and near[0] == "table")):
             check_table(who, b, s, spans.elements(addresses, "table") - b * row)   # said as entries of row b
         if near:
-            rule = "slot" if near[0] in ("k_cache", "v_cache") else "outside"
-            raise AddressError(f"{who} {verb} outside every tensor of the launch: at {near[0]} {near[1]}", rule)
+            raise AddressError(f"{who} {verb} outside every tensor of the launch: at {near[0]} {near[1]}",
+                               "outside")
         allowed = [spans.names.index(name) for name in (LOADS if kind == "load" else STORES)]
         wrong = found[~np.isin(found, allowed)]
         if len(wrong):

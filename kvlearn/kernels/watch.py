@@ -1,17 +1,14 @@
 """Every address an interpreted kernel touches, seen before the access is made.
 
 A kernel adds offsets to bare pointers, and nothing stops a wrong offset: on a GPU it reads another
-tensor's numbers or faults, and in Triton's interpreter, which loads with a plain C memcpy, it can end
-the whole Python process (a segfault). The interpreter runs every memory access of a kernel through
-a few methods of one builder object: `create_masked_load` and `create_masked_store` (an unmasked
-`tl.load` is a masked one with every lane on, and tensor descriptors end there too), and two for
-atomics. `watch(see)` swaps them for the duration of a `with` block: before each access,
-`see(kind, program, addresses)` gets "load" or "store", the program's grid index and the addresses
-the mask lets through (int64 numpy). It may raise, and then the access never happens. Triton-Viz records kernels the same way.
-
-`Spans` names which of a launch's tensors an address falls in; `AddressError` is what a check of
-addresses raises. Interpreter only (a compiled GPU kernel runs no Python per access); Triton is
-imported inside `watch`.
+tensor's numbers or faults, and Triton's interpreter, whose loads and stores read and write memory at
+the computed addresses directly (in C++), can end the whole Python process with a segfault. The
+interpreter runs every memory access of a kernel through a few methods of one builder object:
+`create_masked_load` and `create_masked_store` (an unmasked `tl.load` is a masked one with every lane
+on, and tensor descriptors end there too), and two for atomics. `watch(see)` swaps them for the
+duration of a `with` block: before each access, `see(kind, program, addresses)` gets "load" or
+"store", the program's grid index and the addresses the mask lets through (int64 numpy). It may
+raise, and then the access never happens. Triton-Viz records kernels the same way.
 """
 
 from __future__ import annotations

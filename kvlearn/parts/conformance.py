@@ -224,5 +224,5 @@ def _failure(head: str, suite: Suite, index: int, programs: int, outcome: tuple,
     else:
         what = (f"The checker could not use what the part returned ({describe(detail)}): return what {contract} "
                 "says. If it does, this is a bug in kvlearn's checker: please report it, with this message.")
-    shown = "The calls" if kind == "timeout" else f"A smallest example (program {index + 1} of {programs}, shrunk)"
+    shown = "The calls" if kind == "timeout" else f"A smallest example (random case {index + 1} of {programs}, shrunk)"
     return f"{head}\n{shown}:\n{calls}\n{what}\nHint: {hint}"

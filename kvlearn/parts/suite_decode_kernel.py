@@ -32,7 +32,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HINTS = {
     "paged_decode_attention": "the kernel must run in Triton's interpreter: read the error above.",
     "slot": "the slot formula: position pos lives at slot table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE, "
-            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A slot no table reaches was read.",
+            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A slot no table reaches "
+            "was read.",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
             "masks its loads and sets its scores to -inf (tl.where(ok[None, :], score, float('-inf'))).",
     "nan": "NaN, inf or huge values from arithmetic, not a read (NaN everywhere: is the tile loop written? each tile "
@@ -50,8 +51,10 @@ HINTS = {
                    "pos // PAGE_SIZE of row b (table + b * stride_tb + pos // PAGE_SIZE).",
     "table mask": "load the table with mask=ok (and other=0): an unmasked load reads the entries of the whole tile, "
                   "past the split's end, and past the row on the last tile: on a GPU, another tensor's memory.",
-    "outside": "an address is a tensor's pointer plus an offset built from this program's own indices and the "
-               "strides the launcher passes (query + b * stride_qt + head * stride_qh + d): check each offset.",
+    "outside": "an address is a tensor's pointer plus an offset from this program's own indices and the strides the "
+               "launcher passes: K and V of a slot at k_cache + slot * stride_cs + g * stride_ch + d, the slot "
+               "table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE, the query at query + b * stride_qt + "
+               "head * stride_qh + d.",
     "store": "stage 1 writes only its own results: acc / l into part_out and m + log(l) into part_lse.",
     "range": "each position once, from its own row: the tile's positions are n + tl.arange(0, BLOCK_N), their K and V "
              "at slot[:, None] * stride_cs + g * stride_ch + d[None, :] (with equal scores the output is V's mean).",
