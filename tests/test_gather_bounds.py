@@ -38,6 +38,8 @@ def test_a_module_that_loops_or_sleeps_at_import_fails_within_the_limit(tmp_path
     ("raise KeyboardInterrupt", "importing block_table.py raised KeyboardInterrupt"),
     ("raise GeneratorExit('bye')", "importing block_table.py raised GeneratorExit: bye"),
     ("import os\nos._exit(7)", "Python ended (exit status 7) while importing block_table.py"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
+     "Python ended (signal 11, SIGSEGV: a read or write outside the process's memory"),
 ])
 def test_a_module_that_exits_at_import_is_a_row_of_the_table(tmp_path, capsys, source, says):
     folder = tmp_path / "my_parts"

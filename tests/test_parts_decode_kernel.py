@@ -130,3 +130,15 @@ def test_chapter_9_gathers_a_saved_kernel_and_serves_it_only_with_the_triton_bac
     parts = gather(folder)
     assert "decode_kernel  5        yours" in capsys.readouterr().out
     assert parts_for("radix", parts) == {} and list(parts_for("radix", parts, "triton")) == ["decode_kernel"]
+
+
+@triton_missing
+def test_a_verdict_on_nan_arithmetic_prints_no_numpy_warning(tmp_path):
+    import warnings
+
+    kernel = kernel_copy(tmp_path, "alpha = tl.exp(m - m_new)", "alpha = tl.exp(m - m)")   # inf - inf on tile 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check("decode_kernel", kernel)
+    assert not report.passed and f"Hint: {suite_decode_kernel.HINTS['nan']}" in report.message
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]

@@ -161,6 +161,29 @@ def gather_verdicts():
         _verdicts = None
 
 
+# What ends a process by a signal, and what in a learner's part usually causes it.
+SIGNAL_CAUSES = {
+    "SIGSEGV": "a read or write outside the process's memory: in a part, usually native code given a bad address, "
+               "a Triton kernel's pointer outside its tensors run where kvlearn's address checks do not watch",
+    "SIGBUS": "a read of memory that is mapped but cannot be read, e.g. a file that shrank under it",
+    "SIGABRT": "native code aborted (a failed check inside a C++ library, or memory it found corrupted)",
+    "SIGFPE": "an integer division by zero in native code",
+    "SIGKILL": "killed from outside: most often the system, out of memory (a part that allocates without end)",
+}
+
+
+def ended(status: str) -> str:
+    """A process's exit status in words: "exit status 3", or a signal by name with its usual cause."""
+    if not status.lstrip("-").isdigit() or int(status) >= 0:
+        return f"exit status {status}"
+    try:
+        name = signal.Signals(-int(status)).name
+    except ValueError:
+        return f"signal {-int(status)}"
+    cause = SIGNAL_CAUSES.get(name)
+    return f"signal {-int(status)}, {name}" + (f": {cause}" if cause else "")
+
+
 class Zygote:
     """Checks of parts, each in a fresh process: a fork of a clean Python, the zygote, that has
     imported the check and never runs a part's code. A fork costs milliseconds where a new Python
@@ -254,7 +277,7 @@ class Zygote:
                     return verdict
                 self.stderr.seek(said_from)
                 said = self.stderr.read().decode("utf-8", "replace").strip().splitlines()
-                return False, (f"Python ended (exit status {rest}) while {doing}, with no verdict"
+                return False, (f"Python ended ({ended(rest)}) while {doing}, with no verdict"
                                + (f": {said[-1][-200:]}" if said else "")), ""
             else:
                 verdict = (False, f"while checking {path.name}, its process said {line[:80]!r}: a part writes "

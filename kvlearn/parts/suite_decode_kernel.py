@@ -15,10 +15,11 @@ from __future__ import annotations
 import random
 from functools import partial
 
+import numpy as np
 import torch
 
-from kvlearn.parts.decode_kernel import DecodeKernelPart
 from kvlearn.kernels.watch import AddressError
+from kvlearn.parts.decode_kernel import DecodeKernelPart
 from kvlearn.parts.judge import Broken, Raised, Trace
 from kvlearn.parts.suite_attention import attention_reference
 
@@ -115,9 +116,10 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
     def launch(kk=k, vv=v, lengths=kv_lens, splits=setup["splits"], layout=(table, ps), quiet=True):
         line = (f"out = paged_decode_attention(query, k_cache, v_cache, table, kv_lens={lengths.tolist()}, "
                 f"scale={scale:.4g}, page_size={layout[1]}, num_splits={splits}, stage1={name})")
-        try:
-            out = trace.call(line, paged_decode_attention, query, kk, vv, layout[0], lengths, scale, layout[1],
-                             splits, stage1=impl, quiet=quiet)
+        try:   # numpy's warnings of NaN in the interpreter's arithmetic stay quiet: the output is judged
+            with np.errstate(all="ignore"):
+                out = trace.call(line, paged_decode_attention, query, kk, vv, layout[0], lengths, scale, layout[1],
+                                 splits, stage1=impl, quiet=quiet)
         except Raised as raised:   # an access the rules forbid, stopped before it was made
             if isinstance(raised.error, AddressError):
                 raise Broken(str(raised.error), HINTS[raised.error.rule]) from None
