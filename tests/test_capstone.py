@@ -13,10 +13,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import kvlearn.kernels
+from kvlearn import Engine
 from kvlearn.exercises import NOT_YET
 from kvlearn.exercises.parts import BUILD, gather, gather_parts, parts_for, parts_label, parts_table, save_part
 from kvlearn.workshop.mutants import worked_solutions
 from tests import test_parts
+from tests.kernel_variants import kernel_copy
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 CAPSTONE = "09_your_engine.ipynb"
@@ -78,7 +81,13 @@ def test_gather_says_what_is_yours_missing_or_failing(tmp_path, capsys):
     assert capsys.readouterr().out == out   # the same table every time (nbval)
 
 
-def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(tmp_path, capsys):
+def label(model, tokenizer, cache: str, parts: dict, backend: str = "auto") -> str:
+    """The bench label of the engine chapter 9 builds for `cache` from the gathered `parts`."""
+    return parts_label(Engine(model, tokenizer, cache=cache, num_slots=64, attention_backend=backend,
+                              parts=parts_for(cache, parts, backend)))
+
+
+def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(tmp_path, capsys, model, tokenizer):
     folder = tmp_path / "my_parts"
     save_part("block_table", stand_in("block_manager", "MyBlockTable"), folder)
     save_part("block_manager", "from my_parts.block_table import MyBlockTable\n\n\n"
@@ -94,11 +103,12 @@ def test_a_part_may_build_on_an_earlier_one_and_every_passing_part_is_returned(t
     assert parts_for("none", parts) == {"allocator": parts["allocator"]}
     out = capsys.readouterr().out
     assert "\nblock_table    yours: inside your block_manager, in the blocks engine\n" in out
-    assert parts_label("blocks", parts) == "blocks, your block_table, block_manager, allocator"
-    assert parts_label("radix", parts) == "radix, your radix_cache, allocator"
+    assert label(model, tokenizer, "blocks", parts) == "blocks, your block_table, block_manager, allocator"
+    assert label(model, tokenizer, "radix", parts) == "radix, your radix_cache, allocator"
 
 
-def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_written(tmp_path, capsys):
+def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_written(tmp_path, capsys, model,
+                                                                                   tokenizer):
     """A block table passes its check but never serves alone (only inside a block manager); the
     attention serves in both engines; each bench row is named by the parts of yours it used."""
     folder = tmp_path / "my_parts"
@@ -117,11 +127,23 @@ def test_the_summary_says_what_serves_with_only_a_block_table_and_attention_writ
         "allocator      the package's: yours is missing",
         "attention      yours: in both engines",
         "scheduler      the package's: yours is missing"]
-    assert parts_label("radix", parts) == "radix, your attention"
-    assert parts_label("blocks", parts) == "blocks, your attention"
-    assert parts_label("radix", {}) == "radix, the package's parts"
-    assert parts_label("radix", dict.fromkeys(["radix_cache", "allocator", "attention", "scheduler"], max)) == \
-        "radix, all your parts"
+    assert label(model, tokenizer, "radix", parts) == "radix, your attention"
+    assert label(model, tokenizer, "blocks", parts) == "blocks, your attention"
+    assert label(model, tokenizer, "radix", {}) == "radix, the package's parts"
+    save_part("scheduler", written["scheduler"], tmp_path / "more" / "my_parts")
+    everything = parts | gather(tmp_path / "more" / "my_parts") | {
+        name: test_parts.MINE[name] for name in ("radix_cache", "allocator")}
+    assert label(model, tokenizer, "radix", everything) == "radix, all your parts"
+
+
+@pytest.mark.skipif(kvlearn.kernels.triton_import_error() is not None, reason="Triton has no wheels here")
+def test_a_label_names_only_the_parts_its_engine_ran(tmp_path, model, tokenizer):
+    """With only a decode kernel written, an engine with torch attention serves none of yours, and says so;
+    the engine with the Triton backend serves your kernel, and says that."""
+    parts = {"decode_kernel": kernel_copy(tmp_path)}
+    assert label(model, tokenizer, "radix", parts) == "radix, the package's parts"
+    assert label(model, tokenizer, "blocks", parts) == "blocks, the package's parts"
+    assert label(model, tokenizer, "radix", parts, "triton") == "radix, your decode_kernel"
 
 
 def test_gather_reads_the_files_afresh(tmp_path, capsys):

@@ -65,6 +65,19 @@ class ZeroRowNaN(MyQuantizer):
         return (unit * 127).round().clamp(-127, 127).to(torch.int8), unit.abs().amax(-1, keepdim=True) * absmax / 127
 
 
+class DividesZeroByZero(MyQuantizer):
+    """The codes come out right here (int8(NaN) is 0 on this CPU): only the arithmetic shows the 0 / 0."""
+
+    def quantize(self, x):
+        scale = x.float().abs().amax(-1, keepdim=True) / 127
+        return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class DequantizesInItsDtype(MyQuantizer):
+    def dequantize(self, codes, scale, dtype):
+        return codes.to(dtype) * scale.to(dtype)
+
+
 class KeepsFloat32(MyQuantizer):
     def dequantize(self, codes, scale, dtype):
         return codes.float() * scale
@@ -72,7 +85,8 @@ class KeepsFloat32(MyQuantizer):
 
 @pytest.mark.parametrize("wrong, rule", [(Truncates, "round"), (NoClamp, "clamp"), (PerTensorScale, "per_row"),
                                          (ScaleWithoutKeepdim, "scale_shape"), (ZeroRowNaN, "zero"),
-                                         (KeepsFloat32, "dtype")])
+                                         (KeepsFloat32, "dtype"), (DividesZeroByZero, "zero"),
+                                         (DequantizesInItsDtype, "dequantize")])
 def test_a_wrong_quantizer_fails_naming_its_rule(wrong, rule):
     report = check("quantizer", wrong)
     assert not report.passed
@@ -80,7 +94,7 @@ def test_a_wrong_quantizer_fails_naming_its_rule(wrong, rule):
 
 
 def test_nan_converts_to_int8_zero_here():
-    """Why three mutants of the worked solution (tests/data/mutants/quantizer.json) are equivalent here."""
+    """Why the check watches quantize's arithmetic for NaN: a 0 / 0 on a zero row leaves codes 0 here."""
     assert torch.full((5, 64), float("nan")).round().clamp(-127, 127).to(torch.int8).eq(0).all()
 
 

@@ -151,7 +151,12 @@ def gather_parts(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIM
     part can hang this call, end it, or change the check of another; a part that passes is then imported
     here for the engine. A part's module may import an earlier one as `from my_parts.NAME import ...`
     (the folder is the package `my_parts`). The modules run in the folder's parent, the notebooks'
-    folder they were written from, so `earlier_part` in them reads the same folder."""
+    folder they were written from, so `earlier_part` in them reads the same folder. Where there is no
+    GPU it asks for Triton's interpreter first (`kvlearn.kernels.interpret_here`), so that a decode
+    kernel imported here can serve with attention_backend="triton"."""
+    from kvlearn.kernels import interpret_here
+
+    interpret_here()   # before anything here imports triton: later is too late
     folder = Path(folder).resolve()
     part_modules.fresh_package(folder)
     with contextlib.chdir(folder.parent), part_modules.gather_verdicts():
@@ -194,7 +199,7 @@ def gather(folder: str | Path = FOLDER, import_limit_s: float = IMPORT_LIMIT_S) 
     engine = {r.name: r.impl for r in rows if r.verdict == "yours" and r.name in PART_MODES}
     print(serving_table(rows, engine))
     if "decode_kernel" in engine:
-        print("Your decode_kernel serves with attention_backend='triton' (slow in Triton's interpreter): "
+        print("Your decode_kernel serves only with attention_backend='triton' (slow in Triton's interpreter): "
               "Engine(..., attention_backend='triton', parts=parts_for(cache, parts, 'triton')).")
     if any(r.verdict == "fails check" for r in rows):
         print("A part that fails: its chapter's check_part cell prints the whole report, with a smallest example.")
@@ -250,16 +255,19 @@ def serving_table(rows: list[Gathered], parts: dict) -> str:
     return "What serves:\n" + "\n".join(f"{name:<{width}}  {whose[yours]}: {why}" for name, yours, why in said)
 
 
-def parts_label(cache: str, parts: dict) -> str:
-    """A bench row's name for an engine of this cache mode given `parts`: the mode and the parts of
-    yours that served in it ("radix, your radix_cache, attention"), "radix, all your parts" or
-    "radix, the package's parts"."""
-    used = [name for name in BUILD if cache in _serves(parts, name)[0] and BUILD[name][0] < CAPSTONE
-            and (name != "decode_kernel" or name in parts)]
-    mine = [name for name in used if _serves(parts, name)[1]]
+def parts_label(engine) -> str:
+    """A bench row's name for `engine`, read from the engine itself (`Engine.learner_parts`, and your
+    block table inside your block manager): its cache mode and the parts of yours that serve in it
+    ("radix, your radix_cache, attention"), "radix, all your parts" (yours for every part of chapters
+    1-6 that an engine of its mode and attention backend takes) or "radix, the package's parts"."""
+    cache, parts = engine.cache_mode, engine.config.parts
+    mine = [name for name in BUILD if name in engine.learner_parts or (name == "block_table" and _inside(parts, name))]
+    skip = {"triton": "attention", "fast": "attention"}.get(engine.attention_backend)   # the backend attends
+    takes = [name for name in BUILD if BUILD[name][0] < CAPSTONE and cache in _serves(parts, name)[0] and name != skip
+             and (name != "decode_kernel" or engine.attention_backend == "triton")]
     if not mine:
         return f"{cache}, the package's parts"
-    return f"{cache}, all your parts" if mine == used else f"{cache}, your {', '.join(mine)}"
+    return f"{cache}, all your parts" if mine == takes else f"{cache}, your {', '.join(mine)}"
 
 
 def parts_for(cache: str, parts: dict, attention_backend: str = "auto") -> dict:

@@ -2,12 +2,15 @@
 
 Batches x [tokens, kv_heads, head_dim], float32 or bfloat16, of rows drawn apart (random values of size 1e-3
 to 1e37; zeros; ties, x / scale = k + 0.5; tiny float32 values, x / scale past 127), each judged by
-`int8_row` below; then some tokens again (the same bytes) and `dequantize` (codes * scale, in its dtype)."""
+`int8_row` below, with no NaN made along the way (`NaNWatch`: 0 / 0 on a zero row, which int8 hides as
+0 on a CPU); then some tokens again (the same bytes) and `dequantize` (codes * scale in float32, then
+its dtype, to the bit)."""
 
 import random
 import struct
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvlearn.parts.judge import Broken, Trace, shown
 from kvlearn.parts.quantizer import QuantizerPart
@@ -62,9 +65,14 @@ def run(impl, setup: dict, ops: list[int], trace: Trace) -> None:
         kinds = [[r.choice(KINDS[:3 + (dtype == torch.float32)]) for _ in range(heads)] for _ in range(tokens)]
         x = torch.tensor([[draw_row(r, n, k) for k in ks] for ks in kinds], dtype=torch.float64).to(dtype)
         trace.note(f"x = ...   # {dtype} [{tokens}, {heads}, {n}], rows x[t, h] of kinds {kinds}")
-        before, got = x.clone(), trace.call("codes, scale = quantizer.quantize(x)", quantizer.quantize, x)
+        with NaNWatch() as watch:   # a NaN in the arithmetic may vanish from the codes: int8(NaN) is 0 on a CPU
+            before, got = x.clone(), trace.call("codes, scale = quantizer.quantize(x)", quantizer.quantize, x)
         if problem := ("quantize changed x", "input") if not torch.equal(x, before) else answer_problem(x, got):
             raise Broken(problem[0], HINTS[problem[1]])
+        if watch.made:
+            raise Broken(f"quantize made NaN from numbers that held none, in {watch.made} (a row of zeros: "
+                         "0 / 0); its codes may look right here, as int8(NaN) is 0 on this CPU, not on a GPU",
+                         HINTS["zero"])
         for i, (row, codes, (scale,)) in enumerate(zip(*(t.flatten(0, 1).tolist() for t in (x.double(), *got)))):
             (expected, quotients), where = int8_row(row), f"x[{i // heads}, {i % heads}] (first values {row[:4]})"
             if not abs(scale - expected) <= expected * 2 ** -21:   # NaN is never close
@@ -83,11 +91,26 @@ def run(impl, setup: dict, ops: list[int], trace: Trace) -> None:
         out = trace.call(f"quantizer.dequantize(codes, scale, {want})", quantizer.dequantize, *got, want)
         if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == want):
             raise Broken(f"dequantize(codes, scale, {want}) returned {shown(out)}", HINTS["dtype"])
-        exact = got[0].double() * got[1].double()
-        far = ((out.double() - exact.to(want)).abs() > torch.finfo(want).eps * exact.abs()).nonzero().tolist()
+        exact = (got[0].float() * got[1]).to(want)   # float32, then the dtype: another order rounds differently
+        far = (out != exact).nonzero().tolist()
         if far:
-            raise Broken(f"dequantize at {far[0]}: codes * scale = {exact[tuple(far[0])].item()!r}, got "
-                         f"{out[tuple(far[0])].item()!r}", HINTS["dequantize"])
+            raise Broken(f"dequantize at {far[0]}: codes * scale in float32, then {want}, is "
+                         f"{exact[tuple(far[0])].item()!r}, got {out[tuple(far[0])].item()!r}", HINTS["dequantize"])
+
+
+class NaNWatch(TorchFunctionMode):
+    """Within the block, `made` names the first torch operation whose result holds NaN while none of its
+    tensor arguments did (None: none did)."""
+
+    made = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.made is None and isinstance(out, torch.Tensor) and out.is_floating_point() and out.isnan().any():
+            inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            if not any(a.is_floating_point() and a.isnan().any() for a in inputs):
+                self.made = getattr(func, "__name__", str(func))
+        return out
 
 
 def int8_row(row: list[float]) -> tuple[float, list[float]]:

@@ -27,7 +27,7 @@ from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
 from kvlearn.serving.hooks import registered_kv
-from kvlearn.serving.part_registry import served
+from kvlearn.serving.part_registry import RECORDS, served
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
 
@@ -106,6 +106,8 @@ class Engine:
         self.kv = registered_kv(c, self.pool, model) or make_kv(self.pool, c.max_requests)
         self.scheduler = (served(c.parts, "scheduler") or Scheduler)(
             self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids, chunked_prefill=c.chunked_prefill)
+        # What "yours" may name: the parts given that serve as a learner's, not as the package's own.
+        self.learner_parts = tuple(name for name in c.parts if c.parts[name] is not RECORDS[name].package)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.closed = False
