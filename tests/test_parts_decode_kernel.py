@@ -37,6 +37,9 @@ def test_the_worked_kernel_passes_within_a_minute():
     ("l = l * alpha + tl.sum(p, 1)\n        acc = acc * alpha[:, None] +", "l = l + tl.sum(p, 1)\n        acc = acc +",
      "rescale"),
     ("at = slot[:, None] * stride_cs + g * stride_ch", "at = slot[:, None] * stride_cs + 0 * stride_ch", "gqa"),
+    ("g * stride_ch + d[None, :]", "g * GROUP * stride_ch + d[None, :]", "gqa"),   # a query head's number
+    ('score = tl.where(ok[None, :], score, float("-inf"))', "score = score", "past"),   # masked lanes weigh
+    ("k = tl.load(k_cache + at, mask=kv_ok, other=0.0)", "k = tl.load(k_cache + at)", "slot"),
 ])
 def test_a_wrong_kernel_fails_with_the_rule_it_broke(tmp_path, old, new, rule):
     report = check("decode_kernel", kernel_copy(tmp_path, old, new))

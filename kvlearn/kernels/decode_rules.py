@@ -38,13 +38,20 @@ def obeyed(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, page_siz
         if kind == "load" and ((found == TABLE).any() or (near and near[0] == "table")):
             check_table(who, b, s, spans.elements(addresses, "table") - b * row)   # said as entries of row b
         if near:
-            raise AddressError(f"{who} {verb} outside every tensor of the launch: at {near[0]} {near[1]}",
-                               "outside")
+            rule = "slot" if near[0] in ("k_cache", "v_cache") and near_pool(int(addresses[found < 0][0])) else \
+                "outside"   # a slot just past the pool: its formula; far from everything: any offset
+            raise AddressError(f"{who} {verb} outside every tensor of the launch: at {near[0]} {near[1]}", rule)
         allowed = [spans.names.index(name) for name in (LOADS if kind == "load" else STORES)]
         wrong = found[~np.isin(found, allowed)]
         if len(wrong):
             raise AddressError(f"{who} wrote into {spans.names[wrong[0]]}: stage 1 writes only part_out and "
                                "part_lse", "store")
+
+    def near_pool(address: int) -> bool:
+        """Whether an address lies within the pool's size of k_cache's or v_cache's slots."""
+        slots = [int(spans.elements(np.array([address]), name)[0]) // k_cache.stride(0)
+                 for name in ("k_cache", "v_cache")]
+        return any(-k_cache.shape[0] <= slot < 2 * k_cache.shape[0] for slot in slots)
 
     def check_table(who: str, b: int, s: int, entries: np.ndarray) -> None:
         n = lens[b]

@@ -33,8 +33,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HINTS = {
     "paged_decode_attention": "the kernel must run in Triton's interpreter: read the error above.",
     "slot": "the slot formula: position pos lives at slot table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE, "
-            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok). A slot no table reaches "
-            "was read.",
+            "its K and V at [slot, g, :]; load only the tile's real positions (mask=ok).",
     "past": "a position at or past kv_len was weighed: the last tile runs past the split's end, so ok = pos < end "
             "masks its loads and sets its scores to -inf (tl.where(ok[None, :], score, float('-inf'))).",
     "nan": "NaN, inf or huge values from arithmetic, not a read (NaN everywhere: is the tile loop written? each tile "
@@ -143,9 +142,18 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
 
 def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
     """The rule a wrong output breaks, from the kernel's outputs on changed inputs, with pages of one slot
-    (`launch`): right then: the page arithmetic; NaN that goes once the NaN slots hold 0 was read there; huge
-    values that go once the past slots hold 0 were weighed past kv_len; with V = its KV head's number + 1,
-    each head's output is that number; then one split, all scores equal (K = 0), only the first tile."""
+    (`launch`). All scores equal (K = 0) and V = its KV head's number + 1 in every slot, beside a padding
+    head of -1000: a wrong whole number is another KV head. Right with pages of one: the page arithmetic;
+    NaN that goes once the NaN slots hold 0 was read there; huge values that go once the past slots hold 0
+    were weighed past kv_len. Then V = the head's number in the context only: less, with K = 0, is weight
+    on the masked positions (their V loads 0); else a whole number is another head. Then one split, all
+    scores equal, only the first tile."""
+    expected = (torch.arange(got.shape[1]) // setup["group"] + 1.0)[None, :, None].expand_as(got).double()
+    padded = torch.full((v.shape[0], v.shape[1] + 1, v.shape[2]), -1e3, dtype=v.dtype, device=DEVICE)
+    padded[:, :-1] = (torch.arange(v.shape[1], device=DEVICE) + 1.0)[None, :, None]
+    by_head = launch(kk=torch.zeros_like(padded)[:, :-1], vv=padded[:, :-1], splits=1)
+    if torch.allclose(by_head, by_head.round(), atol=1e-3) and not torch.allclose(by_head, expected, rtol=1e-3):
+        return "gqa"   # whole numbers, the wrong ones: the right positions, another KV head's K and V
     if setup["page_size"] > 1 and right(got := launch()):
         return "slot"
     nan, huge = got.isnan().any(), (got.abs() > 100).any()
@@ -157,8 +165,10 @@ def _diagnose(got, launch, right, setup, k, v, past, contexts) -> str:
         return "nan"
     number, slots = v.clone(), torch.tensor([s for c in contexts for s in c], device=DEVICE)
     number[slots] = (torch.arange(v.shape[1], device=DEVICE) + 1.0)[None, :, None].to(v.dtype)
+    flat = launch(kk=torch.zeros_like(k), vv=number, splits=1)
+    if (flat > 0).all() and (flat < expected + 1e-3).all() and (flat < expected - 1e-3).any():
+        return "past"   # equal scores, outputs below their numbers: weight on masked positions, whose V is 0
     by_head = launch(vv=number, splits=1)
-    expected = (torch.arange(by_head.shape[1]) // setup["group"] + 1.0)[None, :, None].expand_as(by_head).double()
     if not torch.allclose(by_head, expected, rtol=1e-3):
         whole = torch.allclose(by_head, by_head.round(), atol=1e-3) and by_head.round().min() >= 1
         return "gqa" if whole and by_head.max() <= v.shape[1] else "weights"
