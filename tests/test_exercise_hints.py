@@ -143,7 +143,8 @@ MISTAKES = {
         ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128),), "forgets the scales"),
         ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128 * 2),), "bfloat16 pool"),
         ((ch10.BUDGET_BYTES // (2 * 32 * 8 * 128 + 2 * 32 * 4),), "one scale per layer"),
-        ((ch10.BUDGET_BYTES // (32 * 8 * 132),), "K alone"), ((1000,), "rounded down")]),
+        ((ch10.BUDGET_BYTES // (32 * 8 * 132),), "K alone"), ((16 * 10 ** 9 // (2 * 32 * 8 * 132),), "16 GB"),
+        ((1000,), "rounded down")]),
 }
 # Exercises whose checker simulates (chapter 6's theorem, chapter 7's) list their mistakes where their
 # tests already run them: tests/test_exercises_ch06.py and tests/test_routing_exercises.py (own_hints).
