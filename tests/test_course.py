@@ -146,3 +146,14 @@ def test_bad_arguments_are_one_line_and_exit_2_before_any_chapter_runs(toy_cours
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert ("course-times" if bad == "guide without markers" else "nope" if "missing" in bad else "not a folder") in err
+
+
+def test_no_course_text_cites_an_issue_of_this_project():
+    """A learner cannot follow "issue 47": notebooks, docs, the README and the package's docstrings and
+    comments give the reason itself. Another project's issue, cited as owner/repo#N or "#N", is a source."""
+    root = Path(__file__).resolve().parents[1]
+    texts = [*root.glob("notebooks/*.ipynb"), *root.glob("docs/**/*.md"), root / "README.md",
+             *root.glob("kvlearn/**/*.py")]
+    cited = [f"{path.relative_to(root)}: {m.group(0)!r}" for path in texts
+             for m in re.finditer(r"\b[Ii]ssues? \d+(?: and \d+)?", path.read_text(encoding="utf-8"))]
+    assert not cited, cited

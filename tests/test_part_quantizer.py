@@ -131,3 +131,16 @@ def test_a_quantizer_needs_the_int8_pool(model, tokenizer):
         Engine(model, tokenizer, num_slots=256, parts={"quantizer": MyQuantizer})
     with pytest.raises(TypeError, match="lacks dequantize"):
         Engine(model, tokenizer, kv_cache_dtype="int8", parts={"quantizer": type("Half", (), {"quantize": None})})
+
+
+def test_a_failure_gives_a_call_that_runs_its_case_alone():
+    import re
+
+    report = check("quantizer", Truncates, seed=3)
+    call = re.search(r"\(this case alone, to try a fix: kvlearn\.parts\.check\('quantizer', Truncates, "
+                     r"case=(\d+), seed=3\)\)", report.message)
+    assert call, report.message
+    again = check("quantizer", Truncates, seed=3, case=int(call.group(1)))
+    assert not again.passed and again.message == report.message
+    alone = check("quantizer", MyQuantizer, case=int(call.group(1)))
+    assert alone.passed and f"random case {call.group(1)} alone, " in alone.message

@@ -12,7 +12,7 @@ from kvlearn.bench.peers import SystemResult
 from kvlearn.serving.workloads import Workload
 from kvlearn.viz.plots import save_figure
 
-# The bars of the course (issues 6 and 12), as ratios measured in one run on the same machine.
+# The bars the course sets itself, as ratios measured in one run on the same machine.
 BARS = (("radix tok/s vs HF generate", "radix", "hf", 5.0),
         ("radix tok/s vs HF continuous batching", "radix", "hf-cb", 2.0),
         ("radix tok/s vs vLLM CPU", "radix", "vllm", 1.0))

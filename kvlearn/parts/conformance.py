@@ -113,13 +113,14 @@ def _has(cls: type, member: str) -> bool:
 
 
 def check(name: str, impl, time_limit_s: float | None = None, programs: int | None = None,
-          seed: int = 0) -> CheckReport:
+          seed: int = 0, case: int | None = None) -> CheckReport:
     """Run the conformance suite of part `name` (a key of `SUITES`: "block_table", "block_manager", ...)
     on `impl`, the part's class (built with the same arguments as the package's) or, for "attention",
     its function, over `programs` random programs drawn from `seed`; a call may take `time_limit_s`.
-    None: the suite's `PROGRAMS` and `TIME_LIMIT_S` if it has them, else 300 programs and 2 s.
-    Never raises because of the part; ValueError or TypeError for an unknown `name`, `programs` < 1
-    or not an int, a time limit that is not a finite number > 0."""
+    None: the suite's `PROGRAMS` and `TIME_LIMIT_S` if it has them, else 300 programs and 2 s. `case`
+    (from 1): run that program of `seed`'s alone, the one a failure report names, to try a fix on it.
+    Never raises because of the part; ValueError or TypeError for an unknown `name`, `programs` or
+    `case` < 1 or not an int, a time limit that is not a finite number > 0."""
     if name not in SUITES:
         raise ValueError(f"Unknown part {name!r}: the parts are {', '.join(map(repr, SUITES))}.")
     module = SUITES[name].module
@@ -130,6 +131,8 @@ def check(name: str, impl, time_limit_s: float | None = None, programs: int | No
     if not math.isfinite(time_limit_s) or time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be a finite number of seconds > 0, got {time_limit_s!r}.")
     check_positive_int("programs", programs, " (random programs to run)")
+    if case is not None:
+        programs = check_positive_int("case", case, " (a random case's number, from 1)")
     suite, label = SUITES[name], _label(impl)
     contract = f"kvlearn.parts.{suite.contract.__name__}"
     head = f"{label} does not meet the {name} contract ({suite.record.taught}, {contract})."
@@ -146,15 +149,19 @@ def check(name: str, impl, time_limit_s: float | None = None, programs: int | No
     rng, calls, seconds = random.Random(seed), 0, 0.0
     for i in range(programs):
         setup, ops = suite.module.generate(rng)
+        if case is not None and i + 1 < case:   # drawn, to reach the case's own draw, and not run
+            continue
         outcome = _run(suite, impl, setup, ops, time_limit_s)
         calls, seconds = calls + outcome[2].calls, seconds + outcome[2].seconds
         if outcome[0] != "ok":
             if outcome[0] != "timeout":
                 ops, outcome = _shrink(suite, impl, setup, ops, outcome, time_limit_s)
-            return CheckReport(name, label, False, _failure(head, suite, i, programs, outcome, time_limit_s),
+            again = f"kvlearn.parts.check({name!r}, {label}, case={i + 1}{f', seed={seed}' if seed else ''})"
+            return CheckReport(name, label, False, _failure(head, suite, again, outcome, time_limit_s),
                                i + 1, calls, seconds)
-    return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.record.taught}): {programs} "
-                       f"random programs, {calls} calls, each judged by {suite.judge}.\nIts calls took "
+    ran = f"{programs} random programs" if case is None else f"random case {case} alone"
+    return CheckReport(name, label, True, f"{label} meets the {name} contract ({suite.record.taught}): {ran}, "
+                       f"{calls} calls, each judged by {suite.judge}.\nIts calls took "
                        f"{_seconds(seconds)} in all.", programs, calls, seconds)
 
 
@@ -204,7 +211,7 @@ def _shrink(suite: Suite, impl, setup: dict, ops: list, outcome: tuple, limit_s:
     return ops, outcome
 
 
-def _failure(head: str, suite: Suite, index: int, programs: int, outcome: tuple, limit_s: float) -> str:
+def _failure(head: str, suite: Suite, again: str, outcome: tuple, limit_s: float) -> str:
     kind, detail, trace = outcome
     last = trace.lines[-1] if trace.lines else "building the part"
     calls = "\n".join("    " + line for line in trace.lines)
@@ -224,5 +231,6 @@ def _failure(head: str, suite: Suite, index: int, programs: int, outcome: tuple,
     else:
         what = (f"The checker could not use what the part returned ({describe(detail)}): return what {contract} "
                 "says. If it does, this is a bug in kvlearn's checker: please report it, with this message.")
-    shown = "The calls" if kind == "timeout" else f"A smallest example (random case {index + 1} of {programs}, shrunk)"
+    shown = "The calls" if kind == "timeout" else "A smallest example, shrunk"
+    shown += f" (this case alone, to try a fix: {again})"
     return f"{head}\n{shown}:\n{calls}\n{what}\nHint: {hint}"
