@@ -273,11 +273,11 @@ def parts_label(engine) -> str:
 def parts_for(cache: str, parts: dict, attention_backend: str = "auto") -> dict:
     """The parts among `parts` that an engine with this cache mode and attention backend serves with
     (a radix engine has no block manager, a blocks engine no radix tree; the decode kernel serves
-    only with attention_backend="triton")."""
+    only with attention_backend="triton", and the attention part only without it)."""
     from kvlearn.serving.config import PART_MODES
 
-    return {name: impl for name, impl in parts.items() if cache in PART_MODES[name]
-            and (name != "decode_kernel" or attention_backend == "triton")}
+    skip = "attention" if attention_backend == "triton" else "decode_kernel"
+    return {name: impl for name, impl in parts.items() if cache in PART_MODES[name] and name != skip}
 
 
 def _gather_one(name: str, chapter: int, attribute: str, folder: Path, import_limit_s: float) -> Gathered:
