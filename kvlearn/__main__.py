@@ -7,14 +7,21 @@ from importlib import import_module
 COMMANDS = {
     "demo": ("kvlearn.bench.demo", "the real model, decoded with and without a KV cache, then served by the engine"),
     "bench": ("kvlearn.bench.cli", "every cache strategy and the Hugging Face peers on one workload, side by side"),
-    "gpu-check": ("kvlearn.bench.gpucheck", "both attention backends on a CUDA GPU against Hugging Face; --dry: the same on the CPU"),
+    "gpu-check": ("kvlearn.bench.gpucheck", "both attention backends on a CUDA GPU against Hugging Face; "
+                                            "--dry: the same on the CPU"),
     "check": ("kvlearn.workshop.envcheck", "is this laptop ready for the course? one OK / FAIL line per requirement"),
-    "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; per-chapter time and result"),
-    "route": ("kvlearn.routing.cli", "a trace on a fleet of replicas behind each routing policy, simulated (chapter 7)"),
-    "replay": ("kvlearn.routing.replay", "a Mooncake production trace through one prefix cache per capacity: hit rates (chapter 7)"),
-    "record": ("kvlearn.workshop.record", "re-execute notebooks in place on a quiet machine, recording the load in their metadata"),
-    "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: every solution becomes a stub"),
-    "mutants": ("kvlearn.workshop.mutants", "mutants of the worked solutions against each part's check: is every one killed?"),
+    "course": ("kvlearn.workshop.course", "run every notebook in a fresh kernel, in order; "
+                                          "per-chapter time and result"),
+    "route": ("kvlearn.routing.cli", "a trace on a fleet of replicas behind each routing policy, "
+                                     "simulated (chapter 7)"),
+    "replay": ("kvlearn.routing.replay", "a Mooncake production trace through one prefix cache per capacity: "
+                                         "hit rates (chapter 7)"),
+    "record": ("kvlearn.workshop.record", "re-execute notebooks in place on a quiet machine, "
+                                          "recording the load in their metadata"),
+    "student": ("kvlearn.workshop.student", "the learners' copies of the notebooks, in student/: "
+                                            "every solution becomes a stub"),
+    "mutants": ("kvlearn.workshop.mutants", "mutants of the worked solutions against each part's check: "
+                                            "is every one killed?"),
 }
 
 USAGE = "usage: python -m kvlearn COMMAND [options]\n\n" + "\n".join(

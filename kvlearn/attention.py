@@ -57,7 +57,7 @@ class AttentionMetadata:
     last_token: torch.Tensor
 
     @classmethod
-    def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "AttentionMetadata":
+    def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> AttentionMetadata:
         """Metadata for sequences with `query_lens[i]` new tokens and context slots `kv_indices[i]`
         (the new tokens are the last `query_lens[i]` of that context). Inputs are trusted here; the
         runner validates them."""

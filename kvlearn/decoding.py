@@ -257,5 +257,5 @@ def fit_step_cost(seconds_by_batch: dict[int, float]) -> StepCost:
         raise ValueError("give the step time of at least two different batch sizes, as {batch: seconds}.")
     xs, ys = list(seconds_by_batch), list(seconds_by_batch.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return StepCost(my - slope * mx, slope)

@@ -9,7 +9,7 @@ name and may raise, as an error or a Ctrl-C at that point would. Public methods 
 they are; the fault points name the inner steps, so that no test depends on a private name.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 _fault_hook: Callable[[str], None] | None = None
 

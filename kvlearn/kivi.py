@@ -85,7 +85,7 @@ class KiviFormat:
         pool.v[layer].index_copy_(0, slots, rows)
         pages, counts = torch.unique_consecutive(slots // GROUP, return_counts=True)
         self.filled, first = [], 0
-        for page, n in zip(pages.tolist(), counts.tolist()):
+        for page, n in zip(pages.tolist(), counts.tolist(), strict=True):
             offset = int(slots[first]) % GROUP
             if offset == 0 and layer == 0:   # a page's first write (layer 0 comes first): a new page
                 self.window[page] = k.new_zeros(pool.num_layers, 2, GROUP, *k.shape[1:])
@@ -146,7 +146,7 @@ def kivi_attention(query, key, value, layer: int, kv_pool, md, scale=None) -> to
     first = (md.kv_lens - query_lens) // GROUP                # each sequence's first page in this step
     own_pages = -(-md.kv_lens // GROUP) - first               # the pages its queries are on: in the window
     exact = k_old.new_zeros(2, B, int(own_pages.max()) * GROUP, *k_old.shape[2:])
-    for b, (f, n) in enumerate(zip(first.tolist(), own_pages.tolist())):
+    for b, (f, n) in enumerate(zip(first.tolist(), own_pages.tolist(), strict=True)):
         for i in range(n):
             exact[:, b, i * GROUP:(i + 1) * GROUP] = fmt.window[int(slots[b, (f + i) * GROUP]) // GROUP][layer]
 

@@ -50,7 +50,7 @@ class KVConfig:
                              f"num_kv_heads ({self.num_kv_heads}).")
 
     @classmethod
-    def from_hf(cls, config, name: str | None = None) -> "KVConfig":
+    def from_hf(cls, config, name: str | None = None) -> KVConfig:
         """Read a transformers config (Llama-like GQA/MHA, or DeepSeek-like MLA)."""
         name = name or getattr(config, "name_or_path", "") or type(config).__name__
         layers, heads = config.num_hidden_layers, config.num_attention_heads

@@ -74,7 +74,7 @@ def template_ids(tokenizer, messages: list[dict], *, plain_text: bool = False) -
     # control tokens with control-token matching off. The tokenizer cuts at control tokens before
     # anything else, so pieces without control-token spellings give the ids the whole text would.
     holders = [f"\ue000{i}\ue001" for i in range(len(messages))]
-    text = tokenizer.apply_chat_template([{**m, "content": h} for m, h in zip(messages, holders)],
+    text = tokenizer.apply_chat_template([{**m, "content": h} for m, h in zip(messages, holders, strict=True)],
                                          add_generation_prompt=True, tokenize=False)
     if any(text.count(h) != 1 for h in holders):
         raise ValueError("plain_text needs a chat template that writes each message's content once, unchanged.")
@@ -84,7 +84,7 @@ def template_ids(tokenizer, messages: list[dict], *, plain_text: bool = False) -
         if piece in controls:
             ids.append(tokenizer.convert_tokens_to_ids(piece))
         elif piece:
-            for holder, message in zip(holders, messages):
+            for holder, message in zip(holders, messages, strict=True):
                 piece = piece.replace(holder, message["content"])
             ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return ids

@@ -108,7 +108,7 @@ class KVPool:
     @classmethod
     def for_model(cls, config, num_slots: int | None = None, memory_budget_bytes: int | None = None,
                   dtype: torch.dtype = torch.float32, device=None, page_size: int = 1,
-                  allocator_cls=None, kv_cache_dtype: str = "auto", format_cls=None) -> "KVPool":
+                  allocator_cls=None, kv_cache_dtype: str = "auto", format_cls=None) -> KVPool:
         """A pool shaped for `config` (transformers config or `kvlearn.memory.KVConfig`), sized by
         exactly one of `num_slots` or `memory_budget_bytes` (whole pages that fit the budget)."""
         if (num_slots is None) == (memory_budget_bytes is None):

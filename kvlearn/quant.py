@@ -252,7 +252,7 @@ class PerLayerScale:
 
     def __call__(self, k, v, cached, layer: int):
         return tuple((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
-                     for x, s in zip((k, v), self.scales[layer].tolist()))
+                     for x, s in zip((k, v), self.scales[layer].tolist(), strict=True))
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         return 2 * num_layers * num_kv_heads * head_dim

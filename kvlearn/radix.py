@@ -29,8 +29,8 @@ them at their defaults), `as_key`, `can_evict`, `evict_node`, `eviction_key`, `r
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from operator import attrgetter
-from typing import Callable
 
 import torch
 

@@ -9,7 +9,7 @@ keyed by their first token (first page when `page_size > 1`).
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -87,7 +87,8 @@ class ModelRunner:
         float logits of each sequence's last new token."""
         return self.run(input_ids, self._check(input_ids, kv_indices))
 
-    def run(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor], every_token: bool = False) -> torch.Tensor:
+    def run(self, input_ids: list[list[int]], kv_indices: list[torch.Tensor],
+            every_token: bool = False) -> torch.Tensor:
         """`forward` without the checks, for callers that built valid input themselves (the engine's
         scheduler): token ids in the vocabulary, int64 slot tensors on the pool's device that are
         allocated, with fresh slots for the new tokens. `every_token`: the logits of every new token,
@@ -96,7 +97,8 @@ class ModelRunner:
         ids = torch.tensor([t for seq in input_ids for t in seq], dtype=torch.int64, device=self.pool.device)
         if self.model_forward is not None:
             if every_token:
-                raise ValueError("every_token needs the model's own forward: model_forward returns last-token logits only.")
+                raise ValueError("every_token needs the model's own forward: "
+                                 "model_forward returns last-token logits only.")
             return self.model_forward(ids, query_lens, kv_indices, self.pool)
         md = AttentionMetadata.build(query_lens, kv_indices, device=self.pool.device)
         with torch.no_grad(), self.active():  # a no-op inside the caller's session
@@ -113,7 +115,7 @@ class ModelRunner:
             raise ValueError(f"Need one kv_indices entry per sequence and at least one sequence; got "
                              f"{len(input_ids)} input_ids and {len(kv_indices)} kv_indices.")
         checked = []
-        for i, (ids, slots) in enumerate(zip(input_ids, kv_indices)):
+        for i, (ids, slots) in enumerate(zip(input_ids, kv_indices, strict=True)):
             if not isinstance(ids, (list, tuple)) or not ids or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError(f"input_ids[{i}] must be a non-empty list of int token ids.")
@@ -129,8 +131,8 @@ class ModelRunner:
         every = torch.cat(checked)
         if self.pool.is_free(every).any():   # is_free refuses slots outside the pool (ValueError)
             raise ValueError("kv_indices name slots that are free in the pool: alloc() them first.")
-        new_slots = torch.cat([s[len(s) - len(ids):] for ids, s in zip(input_ids, checked)])
-        cached = torch.cat([s[:len(s) - len(ids)] for ids, s in zip(input_ids, checked)])
+        new_slots = torch.cat([s[len(s) - len(ids):] for ids, s in zip(input_ids, checked, strict=True)])
+        cached = torch.cat([s[:len(s) - len(ids)] for ids, s in zip(input_ids, checked, strict=True)])
         if new_slots.unique().numel() != new_slots.numel() or torch.isin(new_slots, cached).any():
             raise ValueError("A new token would be written to the slot of another new token or of a cached "
                              "context token: give each new token a freshly allocated slot.")
@@ -138,7 +140,8 @@ class ModelRunner:
 
     def __repr__(self) -> str:
         own = "".join(f", {name}={getattr(fn, '__qualname__', type(fn).__name__)}" for name, fn in
-                      (("model_forward", self.model_forward), ("attention", self.attention)) if fn not in (None, paged_attention))
+                      (("model_forward", self.model_forward), ("attention", self.attention))
+                      if fn not in (None, paged_attention))
         return f"ModelRunner({type(self.model).__name__}, {self.pool!r}{own})"
 
 
@@ -164,7 +167,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
                     owned[i] = torch.cat([owned[i], pool.alloc(pages * pool.page_size)])
             logits = runner.forward([pending[i] for i in live],
                                     [owned[i][:context[i] + len(pending[i])] for i in live])
-            for i, token in zip(live, logits.argmax(-1).tolist()):
+            for i, token in zip(live, logits.argmax(-1).tolist(), strict=True):
                 context[i] += len(pending[i])
                 outputs[i].append(token)
                 pending[i] = [token]

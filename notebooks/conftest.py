@@ -198,7 +198,8 @@ class StudentVerdicts(pytest.Item):
             assert any("(using the package's" in text for _, text in shown), "use() did not fall back"
         for source, text in shown:   # a result of the package's stand-in says so on its own line
             if CREDITS.search(source):
-                assert "the package's" in text and "yours has not passed" in text, f"credit() hid the stand-in: {text!r}"
+                assert "the package's" in text and "yours has not passed" in text, \
+                    f"credit() hid the stand-in: {text!r}"
         if self.runs is not None:
             written = {PART_CELL.match(source)[1] for r in self.runs for source, _ in r.ran.values()
                        if PART_CELL.match(source)}

@@ -1,6 +1,6 @@
 """Hugging Face `generate` as the reference every cache strategy must reproduce token for token."""
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -10,7 +10,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     return list(_hf_greedy(model, tuple(prompt_ids), max_new_tokens))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_greedy(model, prompt_ids: tuple, max_new_tokens: int) -> tuple:
     ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():

@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from tests.hf_reference import hf_greedy
 from kvlearn.attention import ATTN_IMPLEMENTATION, AttentionMetadata
 from kvlearn.model import chat_ids
 from kvlearn.pool import KVPool
 from kvlearn.runner import ModelRunner, greedy_generate
+from tests.hf_reference import hf_greedy
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -58,7 +58,7 @@ def test_packed_prefill_matches_hugging_face(model, prompts):
     slots = [pool.alloc(len(p)) for p in batch]
     logits = runner.forward(batch, slots)
     assert logits.shape == (4, model.config.vocab_size) and logits.dtype == torch.float32
-    for ids, got in zip(batch, logits):
+    for ids, got in zip(batch, logits, strict=True):
         assert (got - hf_logits(model, ids)[-1]).abs().max() <= TOL
 
 
@@ -110,7 +110,7 @@ def test_packed_greedy_equals_hugging_face_generate(model, prompts, page_size):
     pool = pool_for(model, num_slots=1024, page_size=page_size)
     outputs = greedy_generate(ModelRunner(model, pool), prompts, max_new_tokens=16,
                               eos_token_id=model.generation_config.eos_token_id)
-    for ids, out in zip(prompts, outputs):
+    for ids, out in zip(prompts, outputs, strict=True):
         assert out == hf_greedy(model, ids, 16)
     assert sum(len(o) == 16 for o in outputs) >= 6  # most really decode all 16 tokens
     assert pool.num_free == pool.num_slots  # slot conservation

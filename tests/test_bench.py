@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from kvlearn.bench import cli as bench, demo
+from kvlearn.bench import cli as bench
+from kvlearn.bench import demo
 from kvlearn.bench.decode import describe_efficiency, step_efficiency, weight_bytes
 from kvlearn.bench.peers import SystemResult, vllm_environment
 from kvlearn.bench.report import check_bars, compare_tokens, table

@@ -2,12 +2,13 @@
 
 The reference (`kvlearn.parts.references.BlockReference`, the one `kvlearn.parts.check` judges
 learners' managers by) knows nothing about hashes. It keeps the allocator's free pages and the
-cached blocks nobody uses (each in the order they are handed out, and when each was freed), and for every published block the whole
-token prefix (a tuple) whose KV that block completes. A new sequence's cached prefix is then "the
-longest run of its full-block prefixes that some published block holds", capped so the last token
-is always computed. On top of the reference, this test holds the package's manager to its exact
-order: new blocks are the first ones of `free_block_ids`. Random allocate / compute / append /
-deallocate steps, and misuse of deallocated sequences, are checked after every step.
+cached blocks nobody uses (each in the order they are handed out, and when each was freed), and for
+every published block the whole token prefix (a tuple) whose KV that block completes. A new
+sequence's cached prefix is then "the longest run of its full-block prefixes that some published
+block holds", capped so the last token is always computed. On top of the reference, this test holds
+the package's manager to its exact order: new blocks are the first ones of `free_block_ids`. Random
+allocate / compute / append / deallocate steps, and misuse of deallocated sequences, are checked
+after every step.
 The number of examples comes from the hypothesis profile (1,000 by default, 10,000 with
 HYPOTHESIS_PROFILE=thorough).
 """

@@ -317,8 +317,8 @@ def test_sliders_move_caption_and_picture(page, name):
         step, there, back_key = (1, "ArrowRight", "ArrowLeft") if first["step"] < first["last"] else \
             (-1, "ArrowLeft", "ArrowRight")
         handle.press(there)
-        moved = wait_for(area, lambda s: s["step"] == first["step"] + step and shows_step(s, s["step"])
-                         and s["hash"] != first["hash"])
+        moved = wait_for(area, lambda s, first=first, step=step: s["step"] == first["step"] + step
+                         and shows_step(s, s["step"]) and s["hash"] != first["hash"])
         assert moved["step"] == first["step"] + step, \
             f"{where}: {there} did not move the slider: {describe(moved)}"
         assert moved["caption"] != first["caption"], f"{where}: the caption did not change: {describe(moved)}"
@@ -327,7 +327,7 @@ def test_sliders_move_caption_and_picture(page, name):
             f"{where}: after the move, caption and picture are not step {moved['step']}: {describe(moved)}"
 
         handle.press(back_key)
-        back = wait_for(area, lambda s: s["step"] == first["step"] and s["hash"] == first["hash"])
+        back = wait_for(area, lambda s, first=first: s["step"] == first["step"] and s["hash"] == first["hash"])
         same = [k for k in ("step", "caption", "hash") if back[k] == first[k]]
         assert len(same) == 3, (f"{where}: back at step {first['step']} the widget shows {describe(back)}, "
                                 f"first it showed {describe(first)}")

@@ -105,7 +105,8 @@ class Mine(BaseException):
         raise RuntimeError("no message")
 
 
-@pytest.mark.parametrize("error", [GeneratorExit(), Mine(), SystemExit(3)], ids=["GeneratorExit", "custom", "SystemExit"])
+@pytest.mark.parametrize("error", [GeneratorExit(), Mine(), SystemExit(3)],
+                         ids=["GeneratorExit", "custom", "SystemExit"])
 @pytest.mark.parametrize("thread", ["main", "worker"])
 def test_whatever_the_part_raises_is_a_failed_report(error, thread):
     part = type("Raises", (Raises,), {"error": error})

@@ -119,7 +119,8 @@ def test_route_refuses_queued_requests_beyond_memory_with_the_estimate(traces, c
 
 @pytest.mark.parametrize("command", ["route", "replay"])
 def test_an_error_without_a_message_still_prints_one(traces, capsys, monkeypatch, command):
-    from kvlearn.routing import replay, traces as trace_reader
+    from kvlearn.routing import replay
+    from kvlearn.routing import traces as trace_reader
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()   # what Python raises when an allocation fails: no message

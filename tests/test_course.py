@@ -7,10 +7,10 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from kvlearn.workshop import course
 from kvlearn.__main__ import main
 from kvlearn.exercises import NOT_YET, OK
 from kvlearn.exercises.parts import gather_parts
+from kvlearn.workshop import course
 from tests.test_capstone import stand_in
 
 

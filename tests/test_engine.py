@@ -6,17 +6,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.hf_reference import hf_greedy
-from kvlearn.serving.simulate import simulate
-from kvlearn.serving.config import DEFAULT_NUM_SLOTS, EngineConfig
-from kvlearn.serving.engine import Engine
 from kvlearn.errors import KVCapacityError
 from kvlearn.parts import RadixCacheBase
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import CACHE_MODES, make_kv_manager
+from kvlearn.serving.config import DEFAULT_NUM_SLOTS, EngineConfig
+from kvlearn.serving.engine import Engine
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import SCHEDULES, Scheduler
+from kvlearn.serving.simulate import simulate
 from kvlearn.serving.workloads import make_workload, unique_token_floor
+from tests.hf_reference import hf_greedy
 
 # --- a stand-in model that proves the KV it reads is the right one --------------------------------
 VOCAB, EOS = 50, 0
@@ -52,7 +52,7 @@ class RecordingForward:
 
     def __call__(self, batch) -> list[int]:
         out = []
-        for ids, slots in zip(batch.input_ids, batch.kv_indices):
+        for ids, slots in zip(batch.input_ids, batch.kv_indices, strict=True):
             cached = len(slots) - len(ids)
             assert torch.equal(self.position[slots[:cached]], torch.arange(cached)), "context read from wrong slots"
             context = self.token[slots[:cached]].tolist() + list(ids)
@@ -118,7 +118,7 @@ def test_property_any_pool_any_cache_gives_the_reference_tokens(case):
     """Tight pools, pages, budgets and policies: every request gets exactly the tokens it would get
     alone, every KV read is the right one, slots are conserved every step, nothing leaks."""
     requests, reports, scheduler, pool = run_scheduler(**case)
-    for req, prompt in zip(requests, case["prompts"]):
+    for req, prompt in zip(requests, case["prompts"], strict=True):
         assert req.status == "finished"
         assert req.output_ids == reference(prompt, case["max_new_tokens"])
     stats = scheduler.stats
@@ -185,7 +185,7 @@ def test_pressure_evicts_then_preempts_the_newest_and_recovers():
     # the victim is the most recently admitted of the requests running at that step
     admitted = [rid for rep in reports[:first_preemption.step - 1] for rid, _, _ in rep.prefills]
     assert first_preemption.preempted[0] == admitted[-1]
-    assert all(r.output_ids == reference(p, 8, eos=-1) for r, p in zip(requests, prompts))
+    assert all(r.output_ids == reference(p, 8, eos=-1) for r, p in zip(requests, prompts, strict=True))
     assert_all_free_after_evict(scheduler, pool)
 
 
@@ -303,7 +303,8 @@ def test_engine_config_is_checked_once_with_clear_errors():
            (dict(plain_text=None), TypeError, "plain_text must be True or False, got NoneType None"),
            (dict(parts={"radix_cache": RadixCacheBase}), TypeError, r"parts\['radix_cache'\] \(RadixCacheBase\) "
                                                                     "lacks evict, insert, lock, match_prefix, unlock: "
-                                                                    r"the radix_cache contract \(kvlearn.parts.RadixCachePart\)"),
+                                                                    r"the radix_cache contract "
+                                                                    r"\(kvlearn.parts.RadixCachePart\)"),
            (dict(parts={"allocator": dict}), TypeError, r"parts\['allocator'\] \(dict\) lacks alloc, free, "
                                                         "free_pages, is_free, num_free"),
            (dict(parts={"block_manager": object}, cache="blocks"), TypeError, "lacks allocate, can_allocate"),
@@ -336,7 +337,7 @@ def test_engine_matches_hf_generate(model, tokenizer, workloads, name, cache):
     workload = workloads[name]
     engine = Engine(model, tokenizer, cache=cache, num_slots=4096)
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=MAX_NEW)
-    for out, prompt in zip(outputs, workload.prompts):
+    for out, prompt in zip(outputs, workload.prompts, strict=True):
         assert out.token_ids == hf_greedy(model, prompt, MAX_NEW)
         assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
     stats = engine.stats
@@ -361,7 +362,7 @@ def test_memory_pressure_same_tokens_and_no_leak(model, tokenizer, cache):
     page = 4 if cache == "blocks" else 1
     engine = Engine(model, tokenizer, cache=cache, num_slots=int(0.2 * need) // page * page, page_size=page)
     outputs = engine.generate(workload.prompt_lists(), max_new_tokens=max_new)
-    for out, prompt in zip(outputs, workload.prompts):
+    for out, prompt in zip(outputs, workload.prompts, strict=True):
         assert out.token_ids == hf_greedy(model, prompt, max_new)
     stats = engine.stats
     assert stats["preemptions"] > 0

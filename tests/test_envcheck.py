@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvlearn.workshop.envcheck as env
 import kvlearn.model_store as ks
+import kvlearn.workshop.envcheck as env
 from kvlearn.__main__ import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,8 @@ def test_missing_and_too_old_packages(monkeypatch):
     assert (old.status, old.detail) == ("FAIL", "5.0.0 (needs >=5.24)")
     assert old.fix.startswith("pip install -U 'transformers>=5.24'")
     everything = env.packages()
-    assert everything.status == "FAIL" and everything.detail == "transformers 5.0.0 (needs >=5.24); xxhash not installed"
+    assert everything.status == "FAIL" and everything.detail == ("transformers 5.0.0 (needs >=5.24); "
+                                                                 "xxhash not installed")
     assert "make setup" in everything.fix
 
 

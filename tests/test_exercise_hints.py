@@ -78,7 +78,8 @@ def lfu_measured():
     trace = ch03.chat_trace()
     n = max(len(prompt) + len(answer) for prompt, answer in trace)
     lru, lfu = {n: ch03.reference_hit_rate(trace, n, "lru")}, {n: ch03.reference_hit_rate(trace, n, "lfu")}
-    return [((lru, lfu, "a"), "system prompt"), ((lru, lfu, "c"), "not time"), ((lru, lru, "b"), "measure with hit_rate")]
+    return [((lru, lfu, "a"), "system prompt"), ((lru, lfu, "c"), "not time"),
+            ((lru, lru, "b"), "measure with hit_rate")]
 
 
 MISTAKES = {
@@ -121,7 +122,8 @@ MISTAKES = {
     "ch05 chunk": (ch05.check_chunk, lambda: [
         ((lambda s, a, b: (list(range(b - a)), *chunk_step(s, a, b)[1:]),), "keep their place"),
         ((lambda s, a, b: (list(range(a, b)), s[:b], chunk_step(s, a, b)[2]),), "whole context's slots"),
-        ((lambda s, a, b: (*chunk_step(s, a, b)[:2], torch.ones(b - a, b - a).tril().bool()),), "[chunk tokens, context]"),
+        ((lambda s, a, b: (*chunk_step(s, a, b)[:2], torch.ones(b - a, b - a).tril().bool()),),
+         "[chunk tokens, context]"),
         ((chunk_within,), "earlier chunk's tokens too")]),
     "ch06 radix prefill": (ch06.check_radix_prefill, lambda: [
         ((lambda prompts: sum(map(len, prompts)),), "every prompt token"),

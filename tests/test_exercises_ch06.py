@@ -33,7 +33,8 @@ def test_theorem(capsys):
         ((longest, computed, preempted, "a"), "depth-first order still pays"),
         ((longest, computed, preempted, "b"), "under the pool's 320"),
         ((longest - 1, computed, preempted, "c"), "every output token but the last"),   # the last token needs no slot
-        ((longest, {"fcfs": 551, "lpm": 630}, preempted, "c"), "measure computed_prefill_tokens"),  # the 16-token counts
+        # the 16-token counts
+        ((longest, {"fcfs": 551, "lpm": 630}, preempted, "c"), "measure computed_prefill_tokens"),
         ((longest, computed, {"fcfs": 0, "lpm": 0}, "c"), "stats['preemptions']")])
     assert not ch06.check_theorem(..., ..., ..., ...)  # the stubs
 

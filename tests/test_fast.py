@@ -56,7 +56,7 @@ def test_a_shared_prefix_is_read_once_with_the_same_result(own, one_run):
     shared = pool.alloc(200)
     if not one_run:
         shared = shared.flip(0)
-    slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens)]
+    slots = [torch.cat([shared, pool.alloc(n + q)]) for n, q in zip(own, q_lens, strict=True)]
     step = FastStep.build(q_lens, slots)
     group = step.groups[0]
     assert len(step.groups) == 1 and group.kind == "cascade" and group.shared_len == 200 >= SHARED_MIN
@@ -123,7 +123,7 @@ def test_fast_prefill_and_mixed_step_match_hugging_face(model, prompts, fast_run
     slots = [pool.alloc(len(a)), pool.alloc(len(b))]
     try:
         logits = fast_runner.forward([a, b], slots)
-        for ids, got in zip((a, b), logits):
+        for ids, got in zip((a, b), logits, strict=True):
             assert (got - hf_last_logits(model, ids)).abs().max() <= TOL
         first = int(logits[0].argmax())
         slots[0] = torch.cat([slots[0], pool.alloc(1)])

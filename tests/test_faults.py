@@ -11,8 +11,18 @@ import torch
 from kvlearn import Engine, KVPool, RadixCache, Sequence
 from kvlearn.errors import set_fault_hook
 from kvlearn.serving.cache_modes import CACHE_MODES
-from tests.faults import (DISK_ERRNOS, DISK_OPERATIONS, FAULT, InjectedFault, count_calls, disk_fault, inject, restore,
-                          tiny_model, whole)
+from tests.faults import (
+    DISK_ERRNOS,
+    DISK_OPERATIONS,
+    FAULT,
+    InjectedFault,
+    count_calls,
+    disk_fault,
+    inject,
+    restore,
+    tiny_model,
+    whole,
+)
 
 # Four prompts that share prefixes, in a pool too small for all of them: admission evicts, decoding
 # preempts, so every bookkeeping path runs.

@@ -90,7 +90,8 @@ def test_yours_only_for_the_class_the_module_defines_and_that_was_checked(tmp_pa
                                             "PageAllocator\n        super().__init__(", 1)
     assert rebinds != stand_in("allocator")
     save_part("allocator", "from kvlearn.allocator import PageAllocator\n" + rebinds, folder)
-    save_part("radix_cache", "import os\n" + stand_in("radix_cache") + "\n\n\nclass Other(MyRadixCache):\n    pass\n\n\n"
+    save_part("radix_cache", "import os\n" + stand_in("radix_cache") + "\n\n\nclass Other(MyRadixCache):\n"
+              "    pass\n\n\n"
               f"if {CHAIN_VARIABLE!r} not in os.environ:   # not where it is checked\n"
               "    MyRadixCache = Other\n", folder)
     found = rows(folder)
@@ -100,7 +101,8 @@ def test_yours_only_for_the_class_the_module_defines_and_that_was_checked(tmp_pa
     assert found["block_table"].note == ("MyBlockTable in block_table.py is kvlearn.blocks.BlockManager, not a "
                                          "class or function block_table.py defines")
     assert found["allocator"].note.startswith("allocator.py rebound MyAllocator while it was checked")
-    assert found["radix_cache"].note == "MyRadixCache in radix_cache.py is Other here, but MyRadixCache where it was checked"
+    assert found["radix_cache"].note == ("MyRadixCache in radix_cache.py is Other here, "
+                                         "but MyRadixCache where it was checked")
     assert all(r.impl is None for r in found.values())
 
 
@@ -115,7 +117,8 @@ def test_a_part_that_changes_the_check_fails_and_changes_no_other_part(tmp_path)
     save_part("radix_cache", "class MyRadixCache:\n    pass", folder)   # wrong: must still fail
     save_part("allocator", stand_in("allocator"), folder)
     found = rows(folder)
-    assert found["block_table"].verdict == "fails check" and "a part may not change kvlearn" in found["block_table"].note
+    assert (found["block_table"].verdict == "fails check" and
+            "a part may not change kvlearn" in found["block_table"].note)
     assert "kvlearn.parts.conformance.check" in found["block_table"].note
     assert found["radix_cache"].verdict == "fails check" and "lacks" in found["radix_cache"].note
     assert found["allocator"].verdict == "yours"

@@ -54,11 +54,11 @@ def contexts(draw, decode: bool):
         tables.append(order[used:used + n])
         used += n
     if len(ctx) >= 2:                                     # sequence 1 may share sequence 0's first pages
-        cached = [(c - q) // page for c, q in zip(ctx[:2], q_lens[:2])]
+        cached = [(c - q) // page for c, q in zip(ctx[:2], q_lens[:2], strict=True)]
         shared = draw(st.integers(0, min(cached)))
         tables[1] = torch.cat([tables[0][:shared], tables[1][shared:]])
     offsets = torch.arange(page)
-    slots = [(t[:, None] * page + offsets).reshape(-1)[:c].to(DEVICE) for t, c in zip(tables, ctx)]
+    slots = [(t[:, None] * page + offsets).reshape(-1)[:c].to(DEVICE) for t, c in zip(tables, ctx, strict=True)]
     table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(DEVICE)
     scale = draw(st.sampled_from([None, 0.3]))
     return pool, page, group, q_lens, slots, table, head_dim ** -0.5 if scale is None else scale
@@ -138,7 +138,7 @@ def step(head_dim: int, dtype=torch.float32, index=torch.int64, kv_heads: int = 
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen))
     perm = torch.randperm(128, generator=gen).to(DEVICE)
     slots, q_lens = [perm[:70], perm[70:90]], [5, 20]
-    new = torch.cat([s[-q:] for s, q in zip(slots, q_lens)])
+    new = torch.cat([s[-q:] for s, q in zip(slots, q_lens, strict=True)])
     key, value = (torch.randn(len(new), kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
     table = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True).to(index)
     query = torch.randn(len(new), kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)

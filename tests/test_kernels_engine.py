@@ -33,7 +33,7 @@ class Counted:
 @triton_missing
 @pytest.mark.slow
 def test_the_triton_backend_serves_hf_tokens_and_launches_kernels(model, tokenizer, monkeypatch):
-    from kvlearn.kernels import decode, extend, store   # triton: imported only where it exists
+    from kvlearn.kernels import decode, extend, store  # triton: imported only where it exists
 
     kernels = {}
     for module, name in ((store, "store_kernel"), (decode, "decode_kernel"), (decode, "decode_reduce_kernel"),

@@ -86,7 +86,7 @@ def test_rows_hold_exactly_the_running_requests_and_the_pool_ends_free(cache):
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
         assert len(scheduler.running) <= 3  # no more requests than rows
-        for req, slots in zip(batch.requests, batch.kv_indices):
+        for req, slots in zip(batch.requests, batch.kv_indices, strict=True):
             assert slots.data_ptr() == kv.rows.req_to_token[req.kv.row].data_ptr()  # a view of the row
             assert not pool.is_free(slots).any()
         scheduler.postprocess(batch, [7] * len(batch))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlearn.memory import GiB, KNOWN_CONFIGS, KVConfig, get_config, kv_bytes_per_token, kv_table, tokens_that_fit
+from kvlearn.memory import KNOWN_CONFIGS, GiB, KVConfig, get_config, kv_bytes_per_token, kv_table, tokens_that_fit
 
 
 @pytest.mark.parametrize("name, bf16_bytes", [

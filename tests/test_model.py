@@ -97,7 +97,7 @@ def test_second_load_uses_the_converted_copy(model, monkeypatch):
 
     monkeypatch.setattr(ks, "_convert", no_conversion)
     again, _ = km.load_model(device="cpu")
-    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -109,7 +109,8 @@ def test_fast_load_equals_from_pretrained(model):
     reference = AutoModelForCausalLM.from_pretrained(ks.cache_dir(), dtype=torch.float32).eval()
     ours, theirs = model.state_dict(), reference.state_dict()
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()))
+    assert all(torch.equal(a, b)
+               for (_, a), (_, b) in zip(model.named_buffers(), reference.named_buffers(), strict=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the reference
     assert model.config.to_dict() == reference.config.to_dict()
     assert model.generation_config.to_dict() == reference.generation_config.to_dict()

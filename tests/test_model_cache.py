@@ -185,5 +185,5 @@ def test_a_damaged_copy_of_the_real_model_is_rebuilt_with_the_same_weights(tmp_p
         rebuilt, _ = km.load_model(device="cpu")
     assert ks.cache_problem(copy) is None
     assert [p.name for p in tmp_path.iterdir()] == [copy.name]
-    for (name, a), b in zip(model.state_dict().items(), rebuilt.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), rebuilt.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from kvlearn.radix import RadixCache
 from kvlearn.routing.cli import main as route
+from kvlearn.routing.mooncake import MooncakeRequest, MooncakeTrace, is_mooncake, mooncake_trace_path, read_mooncake
 from kvlearn.routing.policies import POLICIES
-from kvlearn.routing.mooncake import (MooncakeRequest, MooncakeTrace, is_mooncake, mooncake_trace_path,
-                                      read_mooncake)
 from kvlearn.routing.replay import PAPER_CACHE_RATIO, figure9, replay, tail_bound
 from kvlearn.routing.replay import main as replay_cli
 from kvlearn.routing.trace_request import TraceError
@@ -55,7 +54,8 @@ def test_every_bad_line_is_reported_with_its_number(tmp_path):
     for number, words in ((2, "not valid JSON"), (3, "'output_length'"), (4, "'timestamp'"), (5, "needs 3 block(s)"),
                           (6, "True"), (7, "follows 3 here but 1 on line 1"), (9, "earlier on this line"),
                           (11, "not UTF-8")):
-        assert any(line.strip().startswith(f"{path}:{number}: ") and words in line for line in message.splitlines()), number
+        assert any(line.strip().startswith(f"{path}:{number}: ") and words in line
+                   for line in message.splitlines()), number
     assert f"{path}:1:" not in message and f"{path}:10:" not in message
 
 
@@ -139,7 +139,8 @@ def test_replay_command_prints_one_json_object_per_capacity(tmp_path, capsys):
     path = write(tmp_path / "hand.jsonl.gz", HAND, gz=True)
     assert replay_cli(["--trace", str(path), "--block-size", "4", "--capacity-tokens", "4", "1.2e1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["capacity_tokens"], r["cached_tokens"], r["hit_rate"]) for r in rows] == [(4, 0, 0.0), (12, 28, 0.583333)]
+    assert [(r["capacity_tokens"], r["cached_tokens"], r["hit_rate"])
+            for r in rows] == [(4, 0, 0.0), (12, 28, 0.583333)]
     assert replay_cli(["--trace", str(path), "--block-size", "4", "--policy", "lfu"]) == 0
     assert "hit rate" in capsys.readouterr().out
     assert replay_cli(["--trace", str(path)]) == 2   # blocks of 512: 10 tokens need 1 hash id, not 3
@@ -339,7 +340,8 @@ def test_figure9_numbers_and_picture():
     # the numbers figure9's docstring quotes, and the paper's findings: 3M < half the maximum, 50M ~ all
     assert (round(at_3m.hit_rate, 3), round(at_50m.hit_rate, 3), round(unbounded.hit_rate, 3)) == (0.32, 0.65, 0.65)
     assert at_3m.hit_rate < unbounded.hit_rate / 2 and at_50m.hit_rate > 0.99 * unbounded.hit_rate
-    assert unbounded.hit_rate < PAPER_CACHE_RATIO["synthetic"] < tail_bound(read_mooncake(mooncake_trace_path("synthetic")))
+    assert unbounded.hit_rate < PAPER_CACHE_RATIO["synthetic"] < tail_bound(
+        read_mooncake(mooncake_trace_path("synthetic")))
     fig = plot_hit_rate_curves({"synthetic": [at_3m, at_50m, unbounded]}, PAPER_CACHE_RATIO, 3_000_000)
     (ax,) = fig.axes
     assert "49% of max" in [t.get_text() for t in ax.texts]

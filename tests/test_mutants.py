@@ -16,7 +16,14 @@ from kvlearn.parts.conformance import SUITES
 from kvlearn.parts.suite_radix_cache import HINTS as RADIX_HINTS
 from kvlearn.workshop import mutants
 from kvlearn.workshop.mutant_review import first_difference, observe
-from kvlearn.workshop.mutants import EQUIVALENTS, apply_listed, load_equivalents, load_part, parts_folder, worked_solutions
+from kvlearn.workshop.mutants import (
+    EQUIVALENTS,
+    apply_listed,
+    load_equivalents,
+    load_part,
+    parts_folder,
+    worked_solutions,
+)
 
 LISTED = sorted(path.stem for path in EQUIVALENTS.glob("*.json"))
 PROGRAMS = 100   # of each suite, to compare a listed mutant's answers with the worked solution's

@@ -19,7 +19,7 @@ IGNORE = "nbval-ignore-output"   # the cell tag nbval reads; its markers never s
 # Since then: chapter 9's bench table moved from cell 5 to 6 (issue 40 drew the learner's tree before it);
 # chapter 10 joined with its speed table (issue 47).
 NOT_COMPARED = {"00_why_kv_cache": [8, 11], "03_radix_tree": [15, 33], "05_paged_attention": [22, 24],
-                "06_serving_engine": [19], "07_routing": [4], "08_kv_tiers": [10], "09_your_engine": [6],
+                "06_serving_engine": [19], "07_routing": [4], "08_kv_tiers": [10], "09_your_engine": [7],
                 "10_quantized_kv": [15]}   # the speed cell
 
 

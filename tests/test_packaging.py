@@ -24,5 +24,6 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     files = {str(p.relative_to(ROOT)) for pattern in ("*.py", "*.json") for p in (ROOT / "kvlearn").rglob(pattern)}
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "kvlearn" / "routing" / "data").rglob("*") if p.is_file()}
     assert "kvlearn/routing/time_model.json" in files
-    assert {"kvlearn/routing/data/mooncake/conversation_trace.jsonl.gz", "kvlearn/routing/data/mooncake/LICENSE"} <= files
+    assert {"kvlearn/routing/data/mooncake/conversation_trace.jsonl.gz",
+            "kvlearn/routing/data/mooncake/LICENSE"} <= files
     assert files <= names, f"files missing from the wheel: {sorted(files - names)}"

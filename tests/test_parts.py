@@ -22,7 +22,6 @@ from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
 from kvlearn.serving.part_registry import served
 
-
 # --- correct parts, written outside the package ------------------------------------------------
 
 class MyAllocator(AllocatorBase):
@@ -418,7 +417,7 @@ def test_every_list_of_parts_is_read_from_the_registry():
     table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in kvlearn.parts.__doc__.splitlines()
              if line.startswith("| ")][2:]
     assert [row[0] for row in table] == [f'"{name}"' for name in names]
-    for part, row in zip(REGISTRY, table):
+    for part, row in zip(REGISTRY, table, strict=True):
         suite = SUITES[part.name]
         assert suite.record is part and suite.module.__name__ == f"kvlearn.parts.suite_{part.name}"
         assert PARTS[part.name] is suite.package and BUILD[part.name] == (part.chapter, part.exercise)

@@ -11,8 +11,17 @@ from hypothesis.extra.numpy import arrays
 from kvlearn import Engine, EngineConfig, KVPool
 from kvlearn.formats import KV_CACHE_DTYPES
 from kvlearn.memory import KVConfig
-from kvlearn.quant import (FORMATS, Int8Format, PerLayerScale, Rounding, calibrated_scales, perplexity_and_kl,
-                           round_per_channel, round_per_token, simulated_attention)
+from kvlearn.quant import (
+    FORMATS,
+    Int8Format,
+    PerLayerScale,
+    Rounding,
+    calibrated_scales,
+    perplexity_and_kl,
+    round_per_channel,
+    round_per_token,
+    simulated_attention,
+)
 
 QUANTIZED = sorted(FORMATS)
 D = 8   # head_dim of the property tests
@@ -180,7 +189,8 @@ def test_asymmetric_rounding_is_within_half_a_step_and_keeps_min_and_max(x):
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     step = (hi - lo) / 15
     assert ((back - x).abs() <= step / 2 + (hi - lo).abs() * 1e-6 + 1e-6).all()
-    assert torch.allclose(back.amin(-1, keepdim=True), lo, atol=1e-3) and torch.allclose(back.amax(-1, keepdim=True), hi, atol=1e-3)
+    assert (torch.allclose(back.amin(-1, keepdim=True), lo, atol=1e-3) and
+            torch.allclose(back.amax(-1, keepdim=True), hi, atol=1e-3))
 
 
 def test_rounding_per_channel_keeps_groups_apart_and_leaves_the_tail():
@@ -225,7 +235,8 @@ def test_a_simulation_at_8_bits_scores_as_the_int8_pool(model, tokenizer):
     ids = tokenizer.encode("A quantized pool keeps fewer bytes per token; the simulation rounds as attention reads.")
     _, _, ref = perplexity_and_kl(model, ids, "auto")
     ppl, kl, _ = perplexity_and_kl(model, ids, "int8", reference=ref)
-    sim_ppl, sim_kl, _ = perplexity_and_kl(model, ids, "auto", reference=ref, attention=simulated_attention(Rounding(8)))
+    sim_ppl, sim_kl, _ = perplexity_and_kl(model, ids, "auto", reference=ref,
+                                           attention=simulated_attention(Rounding(8)))
     assert math.isclose(sim_ppl, ppl, rel_tol=1e-9) and math.isclose(sim_kl, kl, rel_tol=1e-6)   # the same rows
     exact_ppl, exact_kl, _ = perplexity_and_kl(model, ids, "auto", reference=ref,
                                                attention=simulated_attention(Rounding(24)))
@@ -235,7 +246,8 @@ def test_a_simulation_at_8_bits_scores_as_the_int8_pool(model, tokenizer):
         from kvlearn.runner import ModelRunner
 
         pool = KVPool.for_model(model.config, num_slots=len(ids))
-        ModelRunner(model, pool, model_forward=FastLlama(model).forward).run([ids], [pool.alloc(len(ids))], every_token=True)
+        ModelRunner(model, pool, model_forward=FastLlama(model).forward).run([ids], [pool.alloc(len(ids))],
+                                                                             every_token=True)
 
 
 def test_a_per_layer_fp8_scale_is_the_layers_own_and_saturates_past_it():

@@ -323,9 +323,9 @@ def test_match_and_evict_cost_do_not_grow_with_the_tree():
     keys = make_trace(2000)
     values = slot_values(keys)
     small, big = RadixCache(), RadixCache()
-    for key, value in zip(keys[:20], values[:20]):
+    for key, value in zip(keys[:20], values[:20], strict=True):
         small.insert(key, value)
-    for key, value in zip(keys, values):
+    for key, value in zip(keys, values, strict=True):
         big.insert(key, value)
     assert big.total_size > 50 * small.total_size
     probe = keys[0][:80] + [49151] * 100

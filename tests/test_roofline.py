@@ -4,8 +4,18 @@ config worked out by hand; the tiny twin runs the same layers at almost no cost.
 import pytest
 import torch
 
-from kvlearn.decoding import (StepCost, decode_step_bytes, fit_step_cost, forward_flops, matmul_gflop_s,
-                              plain_read_gb_s, time_decode_step, tiny_twin, weight_bytes, weight_params)
+from kvlearn.decoding import (
+    StepCost,
+    decode_step_bytes,
+    fit_step_cost,
+    forward_flops,
+    matmul_gflop_s,
+    plain_read_gb_s,
+    time_decode_step,
+    tiny_twin,
+    weight_bytes,
+    weight_params,
+)
 
 
 def test_fit_recovers_known_costs():

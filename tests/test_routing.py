@@ -1,6 +1,7 @@
 """Chapter 7, model-free units: the trace generator and reader, and each routing policy."""
 
 import gzip
+import itertools
 import json
 import math
 import random
@@ -12,11 +13,23 @@ import pytest
 
 from kvlearn.routing import budget, jsonlines
 from kvlearn.routing.cli import main as route
-from kvlearn.routing.policies import (POLICIES, ApproxTree, CacheAware, Exact, LeastLoad, PrefixHash, RandomChoice,
-                                      RoundRobin, RouterView, make_policy, router_page_hashes)
+from kvlearn.routing.policies import (
+    POLICIES,
+    ApproxTree,
+    CacheAware,
+    Exact,
+    LeastLoad,
+    PrefixHash,
+    RandomChoice,
+    RoundRobin,
+    RouterView,
+    make_policy,
+    router_page_hashes,
+)
 from kvlearn.routing.trace_request import TraceError, TraceRequest
 from kvlearn.routing.traces import multi_tenant_trace, read_trace, tenant_of, unique_token_floor, write_trace
-from kvlearn.serving.prefixes import common_prefix_len, unique_token_floor as floor_of_prompts
+from kvlearn.serving.prefixes import common_prefix_len
+from kvlearn.serving.prefixes import unique_token_floor as floor_of_prompts
 
 
 def req(prompt, rid="r"):
@@ -41,8 +54,9 @@ def test_generator_is_seeded_sorted_and_multi_turn():
     turns = [s for s in by_session.values() if len(s) > 1]
     assert turns, "some sessions have several turns"
     for s in turns:   # every turn resends the previous one, followed by its answer
-        for before, after in zip(s, s[1:]):
-            assert after.prompt_ids[:before.num_prompt_tokens + len(before.answer)] == before.prompt_ids + list(before.answer)
+        for before, after in itertools.pairwise(s):
+            assert (after.prompt_ids[:before.num_prompt_tokens + len(before.answer)] ==
+                    before.prompt_ids + list(before.answer))
 
 
 def test_generated_ids_are_drawn_as_randrange_draws_them():
@@ -90,7 +104,7 @@ def test_common_prefix_len_is_the_first_mismatch():
     for _ in range(300):
         a = [rng.randrange(3) for _ in range(rng.randrange(12))]
         b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert common_prefix_len(a, b) == common_prefix_len(tuple(b), tuple(a)) == first
 
 
@@ -115,7 +129,7 @@ def test_write_then_read_gives_the_same_trace_and_answers(tmp_path):
     back = read_trace(write_trace(trace, tmp_path / "t.jsonl"))
     assert [(r.id, r.prompt_ids, r.max_new_tokens, r.session) for r in back] == \
            [(r.id, r.prompt_ids, r.max_new_tokens, r.session) for r in trace]
-    for r, s in zip(back, trace):   # answers re-derived from the sessions' next turns
+    for r, s in zip(back, trace, strict=True):   # answers re-derived from the sessions' next turns
         assert not r.answer or r.answer == s.answer[:len(r.answer)]
     assert any(r.answer for r in back)
 
@@ -136,7 +150,8 @@ BAD_LINES = [
     ('{"id": "a", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1, "tenant": "x"}', "unknown field(s) 'tenant'"),
     ('{"id": "a", "prompt_ids": [1], "max_new_tokens": 1}', "missing field 'arrival'"),
     ('{"id": 7, "arrival": 0, "prompt_ids": [1], "max_new_tokens": 1}', "'id' must be a non-empty string"),
-    ('{"id": "a", "arrival": -1, "prompt_ids": [1], "max_new_tokens": 1}', "'arrival' must be a number of seconds >= 0"),
+    ('{"id": "a", "arrival": -1, "prompt_ids": [1], "max_new_tokens": 1}',
+     "'arrival' must be a number of seconds >= 0"),
     ('{"id": "a", "arrival": 0, "prompt_ids": [1], "max_new_tokens": 0}', "'max_new_tokens' must be an int >= 1"),
     ('{"id": "a", "arrival": 0, "prompt_ids": [], "max_new_tokens": 1}', "'prompt_ids' must be a non-empty list"),
     ('{"id": "a", "arrival": 0, "prompt_ids": [1, -2], "max_new_tokens": 1}', "found -2"),
@@ -340,8 +355,8 @@ def test_prefix_hash_moves_few_prefixes_when_a_replica_joins():
     prompts = [[rng.randrange(10**6) for _ in range(4)] for _ in range(2000)]
     before = [PrefixHash(8).choose(req(p), view(8)) for p in prompts]
     after = [PrefixHash(9).choose(req(p), view(9)) for p in prompts]
-    moved = sum(b != a for b, a in zip(before, after)) / len(prompts)
-    assert moved < 0.25 and all(a == 8 for b, a in zip(before, after) if b != a)   # only to the new one
+    moved = sum(b != a for b, a in zip(before, after, strict=True)) / len(prompts)
+    assert moved < 0.25 and all(a == 8 for b, a in zip(before, after, strict=True) if b != a)   # only to the new one
 
 
 def owner_of(prompt, n):
@@ -365,7 +380,8 @@ def test_prefix_hash_load_bound_is_sglangs_rule():
     assert p.choose(req(prompt), view(4, inflight=moved)) == moved.index(5)   # the least loaded
     assert p.decisions == {"ring": 1, "load_bound": 1}
     # the comparison is <=: a load exactly at the bound (1.0 x (2+2+2+1 + 1) / 4 = 2) stays
-    assert PrefixHash(4, load_factor=1.0).choose(req(prompt), view(4, inflight=loads_with(owner, 2, [2, 2, 1], 4))) == owner
+    assert PrefixHash(4, load_factor=1.0).choose(req(prompt),
+                                                 view(4, inflight=loads_with(owner, 2, [2, 2, 1], 4))) == owner
 
 
 def test_prefix_hash_bound_sends_a_request_away_from_an_overloaded_replica_unbounded_does_not():

@@ -72,8 +72,10 @@ def test_capacity_checker(capsys):
 def routing_share(trace, replicas, slots):
     from kvlearn.routing.fleet import simulate_fleet
 
-    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate for p in ("round_robin", "cache_aware"))
-    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots, pool_tokens=replicas * slots).hit_rate
+    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate
+                 for p in ("round_robin", "cache_aware"))
+    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots,
+                            pool_tokens=replicas * slots).hit_rate
     return (aware - rr) / (pooled - rr)
 
 

@@ -80,7 +80,8 @@ def test_fast_forward_gives_the_step_by_step_result(policy, replicas, cache, slo
                                                     traffic, stretched, monkeypatch):
     """The same result and the same state left behind, with `stretched` of the steps (at least) run
     as stretches of decodes."""
-    trace = multi_tenant_trace(300, seed=replicas, **traffic) if traffic is BUSY else multi_tenant_trace(400, seed=1, **traffic)
+    trace = (multi_tenant_trace(300, seed=replicas, **traffic) if traffic is BUSY
+             else multi_tenant_trace(400, seed=1, **traffic))
     tm = default_time_model()   # its decode steps are short next to arrivals: long stretches of decodes
     stepped = _fleet_state(trace, policy, replicas, False, cache, slots, page_size, max_batch_tokens, tm)
     stretches, evicted = [], []
@@ -100,7 +101,8 @@ def test_fast_forward_gives_the_step_by_step_result(policy, replicas, cache, slo
 
 
 @settings(max_examples=60, deadline=None)
-@given(trace=traces(), replicas=st.integers(1, 3), policy=st.sampled_from(POLICIES), slots=st.sampled_from([32, 64, 1024]),
+@given(trace=traces(), replicas=st.integers(1, 3), policy=st.sampled_from(POLICIES),
+       slots=st.sampled_from([32, 64, 1024]),
        budget=st.sampled_from([2, 3, 5, 2048]))
 def test_fast_forward_gives_the_step_by_step_result_on_any_trace(trace, replicas, policy, slots, budget):
     # tiny step budgets: prompts in chunks of every size, down to a last chunk of one token
@@ -154,7 +156,8 @@ def test_a_shared_pool_lends_what_another_replica_computed():
     # TTFT: r1 takes 32 loads instead of 32 prefill tokens (the committed POOL_LOAD_S_PER_TOKEN)
     from kvlearn.routing.pooled import POOL_LOAD_S_PER_TOKEN
     saved = 32 * (TM.prefill_s_per_token - POOL_LOAD_S_PER_TOKEN)
-    assert local.per_replica[1]["busy_s"] - pooled.per_replica[1]["busy_s"] == pytest.approx(saved, abs=1e-4)   # busy_s: 4 decimals
+    # busy_s: 4 decimals
+    assert local.per_replica[1]["busy_s"] - pooled.per_replica[1]["busy_s"] == pytest.approx(saved, abs=1e-4)
 
 
 def test_the_pool_keeps_its_capacity_and_its_newest_prefixes():
@@ -185,7 +188,9 @@ def test_faster_divides_compute_not_loads():
 
 def test_hot_tenant_affinity_without_bounds_piles_up_and_bounds_fix_it():
     trace = multi_tenant_trace(1500, num_tenants=32, rate=40, hot_tenant_share=0.5, seed=0)
-    run = lambda policy, **kw: simulate_fleet(trace, policy, 8, slots_per_replica=8192, time_model=TM, **kw)
+    def run(policy, **kw):
+        return simulate_fleet(trace, policy, 8, slots_per_replica=8192, time_model=TM, **kw)
+
     least, hashed, aware = run("least_load"), run("prefix_hash", load_factor=None), run("cache_aware")
     greedy, bounded = run("cache_aware", balance_abs_threshold=10**9), run("prefix_hash")
     assert hashed.load_imbalance > 2 and greedy.load_imbalance > 1.5 * aware.load_imbalance
@@ -244,7 +249,8 @@ def test_route_json_has_the_promised_fields(trace_file, capsys):
         assert key in row
     assert (row["policy"], row["replicas"], row["requests"]) == ("cache_aware", 3, 120)
     # a trace without a block size keeps the cache mode's page size, and says so
-    assert (row["page_size"], row["page_size_from"], row["slots_per_replica"]) == (1, "the radix cache's default", 16384)
+    assert (row["page_size"], row["page_size_from"],
+            row["slots_per_replica"]) == (1, "the radix cache's default", 16384)
 
 
 def test_route_all_compares_every_policy(trace_file, capsys):

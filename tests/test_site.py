@@ -13,9 +13,23 @@ import pytest
 
 from kvlearn.exercises.parts import BUILD
 from kvlearn.parts.conformance import SUITES
-from kvlearn.workshop.site import (DOWNLOADS, MAP_LINE, WIDGET_NOTE, WIDGET_VIEW, chapter_title, download_links, engine_map,
-                                   entry_of, glossary_entries, label_glossary, landing_page, parts_page, site_notebook,
-                                   stage, words_pattern)
+from kvlearn.workshop.site import (
+    DOWNLOADS,
+    MAP_LINE,
+    WIDGET_NOTE,
+    WIDGET_VIEW,
+    chapter_title,
+    download_links,
+    engine_map,
+    entry_of,
+    glossary_entries,
+    label_glossary,
+    landing_page,
+    parts_page,
+    site_notebook,
+    stage,
+    words_pattern,
+)
 from kvlearn.workshop.student import student_copy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,7 +93,7 @@ def test_a_copy_shows_nothing_solved_and_the_rest_is_unchanged(copies, chapter):
     shown = json.dumps([c.get("outputs", []) for c in teacher.cells])
     assert OK in shown or "parts pass" in shown, "the instructor copy shows its verdicts"
     cleared = []
-    for number, (t, s) in enumerate(zip(teacher.cells, student.cells), 1):
+    for number, (t, s) in enumerate(zip(teacher.cells, student.cells, strict=True), 1):
         if t.cell_type == "code" and shows_solved_work(chapter, t.source):
             assert s.outputs == [] and s.execution_count is None, f"cell {number} shows solved work"
             cleared.append(number)
@@ -140,7 +140,7 @@ def test_the_rule_follows_names_through_cells():
     solved = [n - 1 for n in solved_cells(nb)]
     assert solved == [3, 4, 7, 8, 9, 12, 13, 15, 16, 17, 19]
     copied = student_copy(nb)
-    for number, (t, s) in enumerate(zip(nb.cells[1:], copied.cells[1:]), 1):
+    for number, (t, s) in enumerate(zip(nb.cells[1:], copied.cells[1:], strict=True), 1):
         assert (s.outputs, s.execution_count) == (([], None) if number in solved else (t.outputs, number))
     assert copied.cells[0] == nb.cells[0]
 

@@ -104,7 +104,7 @@ class PoolForward:
 
     def __call__(self, batch) -> list[int]:
         out, kv = [], self.pool.kv
-        for ids, slots in zip(batch.input_ids, batch.kv_indices):
+        for ids, slots in zip(batch.input_ids, batch.kv_indices, strict=True):
             cached = len(slots) - len(ids)
             positions = kv[0, 1, slots[:cached], 0, 0]
             assert torch.equal(positions, torch.arange(cached, dtype=kv.dtype)), "context read from wrong slots"
@@ -130,7 +130,7 @@ def run_tiered(prompts, num_slots, host_slots, disk_dir=None, policy="write_back
             batch = scheduler.schedule()
             scheduler.postprocess(batch, forward(batch))  # asserts slot conservation, host included
             kv.tree.check_invariants()
-        for req, prompt in zip(requests, prompts):
+        for req, prompt in zip(requests, prompts, strict=True):
             assert req.output_ids == reference(prompt, max_new)
     return kv, scheduler
 
@@ -240,7 +240,7 @@ def test_tiers_under_pressure_give_hf_tokens(model, tokenizer, tmp_path, options
     for turn in range(2):  # a round of both conversations at a time, as users take turns
         outputs += engine.generate(chat.prompt_lists()[2 * turn:2 * turn + 2], max_new_tokens=max_new)
         loaded += engine.stats["loaded_from_host_tokens"] + engine.stats["loaded_from_disk_tokens"]
-    for out, prompt in zip(outputs, chat.prompts):
+    for out, prompt in zip(outputs, chat.prompts, strict=True):
         assert out.token_ids == hf_greedy(model, prompt, max_new)
     assert loaded > 0 and engine.stats["offloaded_tokens"] > 0
     if "disk_max_bytes" in options:  # three pages of 16 tokens' fp32 KV (720 KiB each)

@@ -271,7 +271,8 @@ class TieredMachine(RuleBasedStateMachine):
         if freed < num_tokens:
             assert self.tree.evictable_size == 0, "stopped early with evictable tokens left"
         after = {n.id: n for n in self.tree.nodes()[1:]}
-        victims = [t for i, (t, dev) in before.items() if dev and (i not in after or "device" not in self.tree.tiers(after[i]))]
+        victims = [t for i, (t, dev) in before.items()
+                   if dev and (i not in after or "device" not in self.tree.tiers(after[i]))]
         candidates = [n.last_access for n in after.values() if "device" in self.tree.tiers(n) and not n.lock_ref
                       and all("device" not in self.tree.tiers(c) for c in n.children.values())]
         if victims and candidates:

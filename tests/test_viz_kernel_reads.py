@@ -28,7 +28,7 @@ def test_the_worked_kernel_reads_each_splits_slots_and_nothing_else():
 
     reads = kernel_reads(None, *step())
     assert sorted(reads.slots) == [(b, g, s) for b in range(2) for g in range(3) for s in range(2)]
-    for (b, g, s), slots in reads.slots.items():
+    for (b, _, s), slots in reads.slots.items():
         assert slots == sorted(reads.expected(b, s))
     assert reads.slots[(0, 0, 0)] == list(range(32, 41)) + list(range(112, 128))   # pages 7, then 2: positions 0-24
     assert reads.outside() == {}

@@ -22,9 +22,15 @@ from kvlearn.tiers import TieredRadixCache  # noqa: E402
 from kvlearn.tiers.host import host_pool_for  # noqa: E402
 from kvlearn.viz import draw_blocks, draw_pool, draw_radix, draw_slot_reads  # noqa: E402
 from kvlearn.viz.palette import ALIASES, STATES, state_color  # noqa: E402
-from kvlearn.viz.teaching import (draw_free_queue, draw_kv_reuse, draw_packed_mask, draw_timeline,  # noqa: E402
-                                  plot_reuse_vs_block_size, plot_workloads)
 from kvlearn.viz.quant import draw_kv_channels, plot_quality_vs_bytes  # noqa: E402
+from kvlearn.viz.teaching import (  # noqa: E402
+    draw_free_queue,
+    draw_kv_reuse,
+    draw_packed_mask,
+    draw_timeline,
+    plot_reuse_vs_block_size,
+    plot_workloads,
+)
 from kvlearn.viz.tiers import draw_tiers  # noqa: E402
 
 VIZ = Path(kvlearn.viz.__file__).parent
@@ -100,12 +106,15 @@ def test_nodes_are_filled_with_their_states_colour():
 # --- matplotlib figures: readable ------------------------------------------------------------------
 
 def metadata():
-    return AttentionMetadata.build([4, 3, 1], [torch.arange(10, 14), torch.arange(20, 27), torch.tensor([3, 7, 5, 20, 8])])
+    return AttentionMetadata.build([4, 3, 1],
+                                   [torch.arange(10, 14), torch.arange(20, 27), torch.tensor([3, 7, 5, 20, 8])])
 
 
 def timeline_reports():
-    rep = lambda step, **kw: SimpleNamespace(step=step, **{"prefills": [], "decodes": [], "deferred": [],
-                                                             "preempted": [], "finished": [], **kw})
+    def rep(step, **kw):
+        return SimpleNamespace(step=step, **{"prefills": [], "decodes": [], "deferred": [], "preempted": [],
+                                             "finished": [], **kw})
+
     return [rep(1, prefills=[(0, 0, 5), (1, 0, 5)]), rep(2, decodes=[0, 1], deferred=[2]),
             rep(3, decodes=[0], preempted=[1], finished=[0]), rep(4, prefills=[(2, 3, 2)])]
 
@@ -121,15 +130,19 @@ FIGURES = {
     "reuse_vs_block_size": lambda: plot_reuse_vs_block_size(
         [1, 2, 4, 8, 16, 32], {b: {"chat": 100 - 2 * b, "few_shot": 80 - b} for b in [1, 2, 4, 8, 16, 32]},
         {"chat": 100, "few_shot": 80}, {"chat": 120, "few_shot": 100}),
-    "workloads": lambda: plot_workloads(WORKLOADS, {m: [1.0 + k * 0.1 + i for i in range(6)] for k, m in enumerate(MODES)},
+    "workloads": lambda: plot_workloads(WORKLOADS,
+                                        {m: [1.0 + k * 0.1 + i for i in range(6)] for k, m in enumerate(MODES)},
                                         {m: [500 + 100 * k + 50 * i for i in range(6)] for k, m in enumerate(MODES)}),
-    "pool": lambda: draw_pool(pool_with_owners(), {"B, 2 slots": torch.tensor([0, 1]), "C, 4 slots": torch.arange(4, 8)}),
+    "pool": lambda: draw_pool(pool_with_owners(),
+                              {"B, 2 slots": torch.tensor([0, 1]), "C, 4 slots": torch.arange(4, 8)}),
     "slot_reads": lambda: draw_slot_reads(metadata(), ["prefill", "hit", "decode"]),
     "decode_throughput": lambda: plot_throughput({1: 20.0, 2: 38.0, 4: 70.0, 8: 120.0, 16: 190.0}),
-    "kv_channels": lambda: draw_kv_channels(torch.randn(64, 64) * torch.linspace(1, 8, 64), torch.randn(64, 64), "layer 3, KV head 0"),
+    "kv_channels": lambda: draw_kv_channels(torch.randn(64, 64) * torch.linspace(1, 8, 64), torch.randn(64, 64),
+                                            "layer 3, KV head 0"),
     "quality_vs_bytes": lambda: plot_quality_vs_bytes(QUALITY),
 }
-QUALITY = [dict(label=label, bytes_per_token=size, ppl_change_pct=ppl, mean_kl=kl, simulated=sim) for label, size, ppl, kl, sim in (
+QUALITY = [dict(label=label, bytes_per_token=size, ppl_change_pct=ppl, mean_kl=kl, simulated=sim)
+           for label, size, ppl, kl, sim in (
     ("auto", 46080, 0.0, 0.0, False), ("bfloat16", 23040, 0.05, 2e-5, False), ("fp8_e4m3", 12240, 0.3, 3e-3, False),
     ("int8", 12240, 0.02, 6e-4, False), ("int4 per token, symmetric", 6480, 32.0, 0.26, True),
     ("int4 KIVI", 7920, -0.2, 5e-3, True))]
@@ -150,7 +163,7 @@ def overlapping_ticks(fig) -> list[str]:
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
             boxes = [t.get_window_extent(renderer) for t in labels]
-            for (a, box_a), (b, box_b) in itertools.combinations(zip(labels, boxes), 2):
+            for (a, box_a), (b, box_b) in itertools.combinations(zip(labels, boxes, strict=True), 2):
                 if box_a.overlaps(box_b):
                     clashes.append(f"{a.get_text()!r} / {b.get_text()!r}")
     return clashes

@@ -1,5 +1,6 @@
 """Workloads: deterministic, templated like real chat traffic, and an exact unique-token floor."""
 
+import itertools
 import os
 
 import pytest
@@ -7,7 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlearn.model import chat_ids
-from kvlearn.serving.workloads import WORKLOADS, make_workload, multi_turn_chat, shared_system_prompt, unique_token_floor
+from kvlearn.serving.workloads import (
+    WORKLOADS,
+    make_workload,
+    multi_turn_chat,
+    shared_system_prompt,
+    unique_token_floor,
+)
 
 
 def brute_force_floor(prompts) -> int:
@@ -53,7 +60,7 @@ def test_multi_turn_prompts_extend_the_previous_turn(tokenizer):
     w = multi_turn_chat(tokenizer, num_conversations=2, num_turns=3)
     for conv in range(2):
         turns = w.prompts[conv::2]
-        for earlier, later in zip(turns, turns[1:]):
+        for earlier, later in itertools.pairwise(turns):
             assert later[:len(earlier)] == earlier and len(later) > len(earlier)
 
 

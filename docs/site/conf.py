@@ -77,7 +77,8 @@ def _xref(target: str, reftype: str, text: str, literal: bool = False) -> addnod
     """A link to a label (`reftype` "ref") or a document ("doc"), showing `text` (as code if `literal`)."""
     ref = addnodes.pending_xref("", refdomain="std", reftype=reftype, reftarget=target, refexplicit=True,
                                 refwarn=True)
-    ref += (nodes.literal if literal else nodes.inline)(text, text, classes=["kvlearn-glossary"] if reftype == "ref" else [])
+    ref += (nodes.literal if literal else nodes.inline)(text, text,
+                                                        classes=["kvlearn-glossary"] if reftype == "ref" else [])
     return ref
 
 

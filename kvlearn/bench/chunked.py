@@ -19,6 +19,7 @@ Timings depend on the machine and its load; compare the rows of one run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -77,7 +78,7 @@ def measure(model, tokenizer, long_tokens: int = 1500, num_chats: int = 16, max_
         engine = Engine(model, tokenizer, cache="radix", num_slots=8192, max_batch_tokens=budget,
                         chunked_prefill=chunked, fast=fast)
         times, arrival, doc_rid, out = serve(engine, chats, document, arrive_at_step, max_new_tokens)
-        gaps = [b - a for rid, t in times.items() if rid != doc_rid for a, b in zip(t, t[1:])]
+        gaps = [b - a for rid, t in times.items() if rid != doc_rid for a, b in itertools.pairwise(t)]
         rows.append({"run": label, "chunked_prefill": chunked, "max_batch_tokens": budget,
                      "itl_p50_ms": round(percentile(gaps, 0.5) * 1e3, 1),
                      "itl_p99_ms": round(percentile(gaps, 0.99) * 1e3, 1),

@@ -15,11 +15,19 @@ import torch
 
 from kvlearn.bench.decode import describe_efficiency, step_efficiency
 from kvlearn.bench.demo import device_arg
-from kvlearn.bench.peers import (HF_SYSTEMS, KVLEARN_SYSTEMS, run_hf_continuous_batching, run_hf_generate,
-                                 run_kvlearn, run_vllm, warm_up)
+from kvlearn.bench.peers import (
+    HF_SYSTEMS,
+    KVLEARN_SYSTEMS,
+    run_hf_continuous_batching,
+    run_hf_generate,
+    run_kvlearn,
+    run_vllm,
+    warm_up,
+)
 from kvlearn.bench.report import check_bars, compare_tokens, table, write_outputs
 from kvlearn.serving.workloads import WORKLOADS, make_workload
 from kvlearn.viz.plots import figures_dir
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvlearn bench", description=__doc__.split("\n\n")[0])
@@ -39,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_SIZE_ARG = {"shared_system": "num_requests", "short_system": "num_requests", "few_shot": "num_requests", "no_sharing": "num_requests",
+_SIZE_ARG = {"shared_system": "num_requests", "short_system": "num_requests", "few_shot": "num_requests",
+             "no_sharing": "num_requests",
              "multi_turn": "num_conversations", "branching": "num_branches"}
 
 
@@ -60,9 +69,8 @@ def main(argv: list[str]) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from kvlearn.progress import progress_bar
-
     from kvlearn.model import load_model
+    from kvlearn.progress import progress_bar
 
     model, tokenizer = load_model(device=args.device)
     sizes = {} if args.requests is None else {_SIZE_ARG[args.workload]: args.requests}

@@ -54,7 +54,7 @@ class DecodeBatch:
         for i in members:
             self.slots[i] = torch.cat([self.slots[i], self.pool.alloc(1)])
         logits = self.runner.forward([[self.last[i]] for i in members], [self.slots[i] for i in members])
-        for i, token in zip(members, logits.argmax(-1).tolist()):
+        for i, token in zip(members, logits.argmax(-1).tolist(), strict=True):
             self.last[i] = token
 
     def close(self) -> None:

@@ -22,11 +22,10 @@ def device_arg(text: str) -> str:
 
 
 def chapter0(model, tokenizer, max_new_tokens: int) -> None:
-    from kvlearn.progress import progress_bar
-
     from kvlearn.decoding import compare, plot_step_times
     from kvlearn.memory import kv_table
     from kvlearn.model import chat_ids
+    from kvlearn.progress import progress_bar
     from kvlearn.viz.plots import save_figure
 
     prompt_ids = chat_ids(tokenizer, PROMPT)
@@ -57,7 +56,7 @@ def engine(model, tokenizer, num_requests: int = 8, max_new_tokens: int = 32, sh
     for cache in ("radix", "none"):
         result, engines[cache] = run_kvlearn(model, tokenizer, workload, cache, max_new_tokens, progress=True)
         results.append(result)
-    for label, out in list(zip(workload.labels, results[0].outputs))[:show]:
+    for label, out in list(zip(workload.labels, results[0].outputs, strict=True))[:show]:
         print(f"\nQ: {label}\nA: {tokenizer.decode(out, skip_special_tokens=True).strip()}")
     print("\n" + table(results, workload))
     radix = engines["radix"].stats

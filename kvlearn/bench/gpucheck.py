@@ -169,13 +169,14 @@ def check(args) -> dict:
         resolve_attention_backend("triton", device)
     except ValueError as exc:
         raise SystemExit(f"gpu-check: {exc} (`make gpu-check-dry` sets TRITON_INTERPRET=1)") from None
-    from kvlearn.kernels.common import check_ranges   # triton imports: resolve_attention_backend said so
+    from kvlearn.kernels.common import check_ranges  # triton imports: resolve_attention_backend said so
 
     check_ranges(True)
     layers = DRY_LAYERS if args.dry else None
     model, tokenizer, weights = load(args.weights, args.model_dir, device, layers)
     workload, new_tokens = workload_for(tokenizer, args.dry), DRY_NEW_TOKENS if args.dry else NEW_TOKENS
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+    report = {"device": torch.cuda.get_device_name() if device == "cuda"
+                        else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
               "dry": args.dry, "weights": weights, "workload": workload.name, "requests": workload.num_requests,
               "prompt_tokens": workload.num_prompt_tokens, "max_new_tokens": new_tokens,
               "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "systems": {}}

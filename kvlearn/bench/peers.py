@@ -60,9 +60,9 @@ class SystemResult:
 
 def run_kvlearn(model, tokenizer, workload: Workload, cache: str, max_new_tokens: int,
                 num_slots: int | None = None, schedule: str = "fcfs", progress: bool = False, fast: bool = False):
-    """The kvlearn engine (`fast`: its packed-weights path). The time is serving only: building the engine (its KV pool, the packed
-    weights) comes before it, as vLLM's start-up comes before its timed `generate`. Returns the
-    result and the engine (for its cache and stats)."""
+    """The kvlearn engine (`fast`: its packed-weights path). The time is serving only: building the
+    engine (its KV pool, the packed weights) comes before it, as vLLM's start-up comes before its
+    timed `generate`. Returns the result and the engine (for its cache and stats)."""
     from kvlearn.serving.engine import Engine, slots_without_sharing
 
     num_slots = num_slots or slots_without_sharing(workload.prompts, max_new_tokens)
@@ -96,7 +96,8 @@ def run_hf_generate(model, workload: Workload, max_new_tokens: int, progress: bo
                                  do_sample=False)
         outputs.append(out[0, len(prompt):].tolist())
     wall = time.perf_counter() - start
-    peak = max(len(p) + len(o) - 1 for p, o in zip(workload.prompts, outputs))  # one DynamicCache at a time
+    # one DynamicCache at a time
+    peak = max(len(p) + len(o) - 1 for p, o in zip(workload.prompts, outputs, strict=True))
     return SystemResult("hf", outputs, wall, workload.num_prompt_tokens, 0.0, peak)
 
 
@@ -195,8 +196,8 @@ def warm_up(model, tokenizer, fast: bool = False, max_batch: int = 16) -> None:
     kvlearn decodes every batch size up to `max_batch` once, because on CPU its fast path builds a
     oneDNN kernel per product and row count on first use (about 0.6 ms each, 3 ms a step), as the
     vLLM peer's time leaves out its start-up and a warm-up request."""
-    from kvlearn.serving.engine import Engine, slots_without_sharing
     from kvlearn.model import chat_ids
+    from kvlearn.serving.engine import Engine, slots_without_sharing
 
     ids = chat_ids(tokenizer, "Hi")
     Engine(model, tokenizer, cache="radix", num_slots=256, fast=fast).generate([ids, ids], max_new_tokens=2)

@@ -34,7 +34,7 @@ def make_trace(num_keys: int = 10_000, num_bases: int = 100, base_len: int = 80,
 def fill(cache: RadixCache, keys, values) -> float:
     """Match then insert every key; return the seconds it took."""
     start = time.perf_counter()
-    for key, value in zip(keys, values):
+    for key, value in zip(keys, values, strict=True):
         cache.match_prefix(key)
         cache.insert(key, value)
     return time.perf_counter() - start

@@ -42,10 +42,10 @@ def compare_tokens(results: list[SystemResult], workload: Workload, model=None) 
     ref = next((r for r in results if r.system == "hf"), results[0])
     mismatches, ties = [], []
     for r in results:
-        for i, (want, got) in enumerate(zip(ref.outputs, r.outputs)):
+        for i, (want, got) in enumerate(zip(ref.outputs, r.outputs, strict=True)):
             if want == got:
                 continue
-            k = next((j for j, (x, y) in enumerate(zip(want, got)) if x != y), min(len(want), len(got)))
+            k = next((j for j, (x, y) in enumerate(zip(want, got, strict=False)) if x != y), min(len(want), len(got)))
             where = f"{r.system} vs {ref.system}, prompt {i}, token {k}"
             gap = None
             if model is not None and k < min(len(want), len(got)):
@@ -127,7 +127,7 @@ def write_outputs(results: list[SystemResult], workload: Workload, max_new_token
         "torch_threads": torch.get_num_threads(),
         "systems": [dict(asdict(r), label=r.name, tokens_per_s=round(r.tokens_per_s, 2),
                          output_tokens=r.output_tokens, wall_time_s=round(r.wall_time_s, 3)) for r in results],
-        "bars": [dict(zip(("bar", "measured", "target", "reached"), b))
+        "bars": [dict(zip(("bar", "measured", "target", "reached"), b, strict=True))
                  for b in check_bars(results, workload, decode_step)],
         "decode_step": decode_step,
         "token_mismatches": mismatches,

@@ -13,7 +13,8 @@ def _position_mistakes(table, bs, slot):
                        "count block_size positions per entry before it.")]
     if block < len(table):
         mistakes.append((table[block] * bs + offset, "That is the slot formula run forward (position -> slot): "
-                                                     "invert it: from the slot's block to the table entry that holds it."))
+                                                     "invert it: from the slot's block to the table entry that "
+                                                     "holds it."))
     if block in table:
         i = table.index(block)
         mistakes += [(i + offset, "Each table entry covers block_size positions: the entry's first position "
@@ -55,12 +56,13 @@ def check_waste(paged_waste) -> bool:
     cases = [([1], 16), ([16], 16), ([17, 3], 16), ([100, 250, 7], 32), ([5, 5, 5], 1)]
     for lengths, block_size in cases:
         blocks = [-(-n // block_size) for n in lengths]
-        expected = sum(b * block_size - n for b, n in zip(blocks, lengths))
+        expected = sum(b * block_size - n for b, n in zip(blocks, lengths, strict=True))
         shown = given(lengths=lengths, block_size=block_size)
         got, error = attempt(paged_waste, list(lengths), block_size, shown=shown)
         if error or got != expected:
             mistakes = [(sum(block_size - n % block_size for n in lengths),
-                         "A sequence that fills its last block wastes nothing: only a partly filled last block wastes."),
+                         "A sequence that fills its last block wastes nothing: "
+                         "only a partly filled last block wastes."),
                         (sum(blocks) * block_size, "That is every slot allocated: subtract the slots the tokens use."),
                         (sum(blocks), "That counts blocks: the waste is in slots, block_size per block.")]
             return report(False, error or f"{shown}: expected {expected}, got {got}. " + (

@@ -164,7 +164,8 @@ def check_lfu_measured(lru: dict, lfu: dict, why: str) -> bool:
     trace = chat_trace()
     for n in sorted(lru):
         want = (reference_hit_rate(trace, n, "lru"), reference_hit_rate(trace, n, "lfu"))
-        if not all(isinstance(x, (int, float)) and abs(x - w) < 1e-9 for x, w in zip((lru[n], lfu[n]), want)):
+        if not all(isinstance(x, (int, float)) and abs(x - w) < 1e-9
+                   for x, w in zip((lru[n], lfu[n]), want, strict=True)):
             return report(False, f"at {n} slots LRU reuses {want[0]:.2f} of the prompt tokens and LFU {want[1]:.2f}, "
                                  f"you have {lru[n]!r} and {lfu[n]!r}: measure with hit_rate on ch03.chat_trace(), "
                                  "once with 'lru' and once with 'lfu'.")

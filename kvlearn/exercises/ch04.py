@@ -27,7 +27,7 @@ def check_paged_row(paged_row) -> bool:
         want = _expected_row(a_row, shared, b_len, new_pages, page_size)
         shown = given(a_row=a_row, shared=shared, b_len=b_len, new_pages=new_pages, page_size=page_size)
         got, error = attempt(paged_row, list(a_row), shared, b_len, list(new_pages), page_size, shown=shown)
-        row, _ = attempt(lambda: [int(s) for s in got], shown=shown)
+        row, _ = attempt(lambda got=got: [int(s) for s in got], shown=shown)
         if error or row != want:
             reused = shared // page_size * page_size
             fresh = [p * page_size + i for p in new_pages for i in range(page_size)]

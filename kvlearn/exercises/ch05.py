@@ -25,7 +25,8 @@ def check_chunk(chunk_step) -> bool:
         md = _metadata([end - start], [slots[:end]])
         shown = given(slots=slots, start=start, end=end)
         got, error = attempt(chunk_step, list(slots), start, end, shown=shown)
-        parts, _ = attempt(lambda: (list(got[0]), list(got[1]), torch.as_tensor(got[2], dtype=torch.bool)), shown=shown)
+        parts, _ = attempt(lambda got=got: (list(got[0]), list(got[1]), torch.as_tensor(got[2], dtype=torch.bool)),
+                           shown=shown)
         if error or parts is None:
             return report(False, error or f"{shown}: return (positions, slot_mapping, mask), got {got!r}.")
         positions, slot_mapping, mask = parts

@@ -87,7 +87,8 @@ def check_theorem(longest: int, computed_1: dict, preemptions_16: dict, broken: 
                 for s in ("fcfs", "lpm")} for n in (1, 16)}
     if computed_1 != {s: want[1][s]["computed_prefill_tokens"] for s in want[1]}:
         return report(False, "measure computed_prefill_tokens with simulate(few, 'radix', max_new_tokens=1, "
-                             "num_slots=320, schedule=s) for s in ('fcfs', 'lpm'); give a dict {'fcfs': .., 'lpm': ..}.")
+                             "num_slots=320, schedule=s) for s in ('fcfs', 'lpm'); "
+                             "give a dict {'fcfs': .., 'lpm': ..}.")
     if preemptions_16 != {s: want[16][s]["preemptions"] for s in want[16]}:
         return report(False, "measure stats['preemptions'] the same way with max_new_tokens=16.")
     return report(broken == "c", likely_mistake(broken, [

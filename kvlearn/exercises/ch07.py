@@ -1,7 +1,7 @@
 """Chapter 7 exercises: diagnose and tune cache_aware's thresholds for a hot tenant, write a routing
 policy, size a cache for real traffic, and measure what routing recovers of a pooled cache."""
 
-from functools import lru_cache
+from functools import cache
 from numbers import Integral
 
 from kvlearn.exercises import attempt, given, report
@@ -9,14 +9,14 @@ from kvlearn.exercises import attempt, given, report
 NUM_REPLICAS = 6
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hot_trace():
     from kvlearn.routing.traces import multi_tenant_trace
 
     return tuple(multi_tenant_trace(600, num_tenants=16, output_tokens=(8, 48), rate=8, hot_tenant_share=0.5, seed=7))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _baseline(policy: str):
     from kvlearn.routing.fleet import simulate_fleet
 
@@ -42,7 +42,8 @@ def check_thresholds(cache_threshold, balance_abs_threshold, balance_rel_thresho
             return report(False, f"branch must be one of {', '.join(map(repr, BRANCHES))} (the keys of "
                                  f"result.router['decisions']), got {branch!r}.")
         return report(False, {
-            "cache_hit": "'cache_hit' sends a request where its prefix is cached: that is what piles the hot tenant onto "
+            "cache_hit": "'cache_hit' sends a request where its prefix is cached: "
+                         "that is what piles the hot tenant onto "
                          "one replica, not what should have moved it off. Which branch is checked first?",
             "low_match": "'low_match' fires only when no replica holds enough of the prefix: the hot tenant's replica "
                          "does hold it. Which branch is checked first, and when does it fire?"}[branch])
@@ -99,7 +100,7 @@ def check_policy(policy_class) -> bool:
     return report(True, "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _synthetic():
     from kvlearn.routing.mooncake import mooncake_trace_path, read_mooncake
     from kvlearn.routing.replay import replay
@@ -130,11 +131,12 @@ def check_capacity(capacity_for) -> bool:
     smaller = int(answer / 1.1)
     if replay(trace, smaller).hit_rate >= target:
         return report(False, f"{smaller:,} tokens already reach 90 % of {best:.1%}: the smallest capacity is lower "
-                             "(bisect between a capacity that misses and one that reaches, until they are within 10 %).")
+                             "(bisect between a capacity that misses and one that reaches, "
+                             "until they are within 10 %).")
     return report(True, "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference_routing_rates(replicas: int, slots: int) -> tuple[float, float, float]:
     """The hit rates `check_routing_share` compares with (exercise 4): round robin, cache-aware and a
     pooled fleet (least_load with `pool_tokens = replicas * slots`) on the first 200 requests of
@@ -142,8 +144,10 @@ def reference_routing_rates(replicas: int, slots: int) -> tuple[float, float, fl
     from kvlearn.routing.fleet import simulate_fleet
 
     trace = _pooled_trace()
-    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate for p in ("round_robin", "cache_aware"))
-    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots, pool_tokens=replicas * slots).hit_rate
+    rr, aware = (simulate_fleet(trace, p, replicas, slots_per_replica=slots).hit_rate
+                 for p in ("round_robin", "cache_aware"))
+    pooled = simulate_fleet(trace, "least_load", replicas, slots_per_replica=slots,
+                            pool_tokens=replicas * slots).hit_rate
     return rr, aware, pooled
 
 
@@ -161,7 +165,8 @@ def check_routing_share(routing_share) -> bool:
     trace, 4 replicas of 3,072 slots, within 0.01."""
     replicas, slots = 4, 3072
     answer, error = attempt(routing_share, _pooled_trace(), replicas, slots,
-                            shown=f"trace=the first 200 requests of section 4's trace, {given(replicas=replicas, slots=slots)}")
+                            shown=f"trace=the first 200 requests of section 4's trace, "
+                                  f"{given(replicas=replicas, slots=slots)}")
     if error:
         return report(False, error)
     if isinstance(answer, bool) or not isinstance(answer, (int, float)):

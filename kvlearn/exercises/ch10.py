@@ -24,7 +24,8 @@ def check_int8_capacity(answer: int) -> bool:
         (BUDGET_BYTES // kv_bytes_per_token(c, torch.bfloat16), "that is the bfloat16 pool: an int8 code is one "
                                                                 "byte a number, not two."),
         (BUDGET_BYTES // (codes + scales // c.num_kv_heads), "that keeps one scale per layer for all KV heads: "
-                                                             "the pool scales each KV head's vector by its own absmax."),
+                                                             "the pool scales each KV head's "
+                                                             "vector by its own absmax."),
         (BUDGET_BYTES // ((codes + scales) // 2), "that counts K alone: V is stored, and scaled, too."),
         (16 * 10 ** 9 // (codes + scales), "that reads 16 GiB as 16 GB: a GiB is 1024 ** 3 bytes, not 10 ** 9.")]) or
         f"bytes per token = 2 (K and V) x layers x KV heads x (head_dim code bytes + {SCALE_BYTES} scale bytes); "

@@ -345,7 +345,7 @@ def serve_zygote() -> None:
     from kvlearn.kernels import interpret_here
 
     interpret_here()   # the decode kernel's check, in Triton's interpreter where there is no GPU
-    import kvlearn.parts.conformance   # noqa: F401  (the check, loaded once for every fork)
+    import kvlearn.parts.conformance  # noqa: F401  (the check, loaded once for every fork)
 
     say("ready")
     for line in sys.stdin:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvlearn.exercises import NOT_YET, OK, part_modules
 from kvlearn.exercises.part_modules import FOLDER, IMPORT_LIMIT_S, part_path
-from kvlearn.parts import check as check_impl   # the checker, imported before any part (a part cannot swap it)
+from kvlearn.parts import check as check_impl  # the checker, imported before any part (a part cannot swap it)
 from kvlearn.serving.part_registry import REGISTRY
 from kvlearn.workshop.student import replace_file
 
@@ -183,7 +183,7 @@ def parts_table(rows: list[Gathered], markdown: bool = False) -> str:
         lines = [header, ("---",) * len(header), *((*row[:-1], row[-1].replace("|", "\\|")) for row in cells)]
         return "\n".join("| " + " | ".join(row) + " |" for row in lines) + f"\n\n{summary}"
     widths = [max(len(row[i]) for row in (header, *cells)) for i in range(len(header) - 1)]
-    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]).rstrip()
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)), row[-1]]).rstrip()
                      for row in (header, *cells)) + f"\n{summary}"
 
 

@@ -79,13 +79,14 @@ class Group:
 
     @classmethod
     def build(cls, tokens: torch.Tensor | None, md: AttentionMetadata, query_lens: list[int],
-              kv_lens: list[int]) -> "Group":
+              kv_lens: list[int]) -> Group:
         """The group of the sequences `md` describes (`query_lens`, `kv_lens` theirs), planned."""
         if len(query_lens) == 1 and query_lens[0] == kv_lens[0] > 1:
             return cls(tokens, md, "fresh")
         if max(query_lens) > 1:
             return cls(tokens, md)
-        bias = torch.zeros(md.mask.shape, dtype=torch.float32, device=md.mask.device).masked_fill_(~md.mask, float("-inf"))
+        bias = torch.zeros(md.mask.shape, dtype=torch.float32,
+                           device=md.mask.device).masked_fill_(~md.mask, float("-inf"))
         if len(query_lens) == 1:
             return cls(tokens, md, "decode", bias=bias)
         # The shared prefix: slots equal to sequence 0's, before every new token.
@@ -109,7 +110,7 @@ class FastStep:
     groups: tuple[Group, ...]
 
     @classmethod
-    def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> "FastStep":
+    def build(cls, query_lens: list[int], kv_indices: list[torch.Tensor], device=None) -> FastStep:
         """The step `AttentionMetadata.build(query_lens, kv_indices, device)` describes, planned."""
         md = AttentionMetadata.build(query_lens, kv_indices, device)
         kv_lens = [len(ix) for ix in kv_indices]
@@ -208,7 +209,8 @@ def _cascade_attention(query, k_cache, v_cache, group: Group, scale: float) -> t
         k_shared, v_shared = k_cache.index_select(0, group.shared), v_cache.index_select(0, group.shared)
     k_shared, v_shared = (x.to(query.dtype).transpose(0, 1) for x in (k_shared, v_shared))     # [kv, P, D]
     k_own, v_own = (c.index_select(0, group.own_index).to(query.dtype).view(batch, -1, kv_heads, dim)
-                    .permute(2, 0, 1, 3).reshape(kv_heads * batch, -1, dim) for c in (k_cache, v_cache))  # [kv*B, L-P, D]
+                    .permute(2, 0, 1, 3).reshape(kv_heads * batch, -1, dim)
+                    for c in (k_cache, v_cache))  # [kv*B, L-P, D]
     q = query.reshape(batch, kv_heads, per_kv, dim).transpose(0, 1).reshape(kv_heads, batch * per_kv, dim)
     s_shared = torch.bmm(q, k_shared.transpose(1, 2)).view(kv_heads, batch, per_kv, shared)
     s_own = torch.bmm(q.view(kv_heads * batch, per_kv, dim), k_own.transpose(1, 2))

@@ -214,7 +214,7 @@ def _check_tensors(floats: dict, indices: dict, k_cache, v_cache, scales) -> Non
         if t.dim() != len(pattern):
             raise ValueError(f"{name} must be {len(pattern)}-D [{', '.join(SIZES[c] for c in pattern)}], got shape "
                              f"{tuple(t.shape)}: pass it in that layout.")
-        for letter, n in zip(pattern, t.shape):
+        for letter, n in zip(pattern, t.shape, strict=True):
             first, size = sizes.setdefault(letter, (name, n))
             if size != n:
                 raise ValueError(f"{name}'s {SIZES[letter]} is {n} (shape {tuple(t.shape)}), but {first}'s is {size}: "

@@ -34,12 +34,12 @@ def obeyed(query, k_cache, v_cache, table, kv_lens, part_out, part_lse, page_siz
         b, g, s = program
         who, verb = f"program (b={b}, kv_head={g}, split={s})", "read" if kind == "load" else "wrote"
         found = spans.where(addresses)
-        near = spans.nearest(int(addresses[found < 0][0])) if (found < 0).any() else None
+        outside = addresses[found < 0]
+        near = spans.nearest(int(outside[0])) if len(outside) else None
         if kind == "load" and ((found == TABLE).any() or (near and near[0] == "table")):
             check_table(who, b, s, spans.elements(addresses, "table") - b * row)   # said as entries of row b
-        if near:
-            rule = "slot" if near[0] in ("k_cache", "v_cache") and near_pool(int(addresses[found < 0][0])) else \
-                "outside"   # a slot just past the pool: its formula; far from everything: any offset
+        if near:   # a slot just past the pool: its formula is off; far from everything: any offset may be
+            rule = "slot" if near[0] in ("k_cache", "v_cache") and near_pool(int(outside[0])) else "outside"
             raise AddressError(f"{who} {verb} outside every tensor of the launch: at {near[0]} {near[1]}", rule)
         allowed = [spans.names.index(name) for name in (LOADS if kind == "load" else STORES)]
         wrong = found[~np.isin(found, allowed)]

@@ -37,7 +37,8 @@ def _docs_table() -> str:
                      suite.contract.__name__, bases[0] if bases else "(none)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     rows.insert(1, tuple("-" * width for width in widths))
-    return "\n".join("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows)
+    return "\n".join("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |"
+                     for row in rows)
 
 
 __all__ = ["PARTS", "check", "CheckReport", "AllocatorPart", "AllocatorBase", "AttentionPart", "DecodeKernelPart",

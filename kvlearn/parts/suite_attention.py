@@ -107,7 +107,7 @@ def run_program(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         md = AttentionMetadata.build(query_lens, [torch.tensor(c) for c in contexts], device="cpu")
         tensors = ", ".join(f"torch.tensor({c})" for c in contexts)
         trace.note(f"md = AttentionMetadata.build({query_lens}, [{tensors}])")
-        new_slots = [s for q, c in zip(query_lens, contexts) for s in c[len(c) - q:]]
+        new_slots = [s for q, c in zip(query_lens, contexts, strict=True) for s in c[len(c) - q:]]
         tokens = len(new_slots)
         trace.note(f"# each layer: query = torch.randn({tokens}, {heads}, {dim}); key, value = "
                    f"torch.randn({tokens}, {kv_heads}, {dim}) twice")
@@ -202,7 +202,7 @@ def attention_reference(query, k_rows: dict, v_rows: dict, query_lens: list[int]
     one; query head h reads KV head h // (heads // kv_heads). Returns [T, heads, head_dim] in packed order."""
     heads = query.shape[1]
     out, t = [], 0
-    for q_len, context in zip(query_lens, contexts):
+    for q_len, context in zip(query_lens, contexts, strict=True):
         for i in range(q_len):
             seen = context[:len(context) - q_len + i + 1]
             k = torch.stack([k_rows[s] for s in seen]).double()        # [keys, kv_heads, head_dim]

@@ -24,8 +24,8 @@ from operator import attrgetter
 from kvlearn.allocator import PageAllocator
 from kvlearn.errors import KVCapacityError
 from kvlearn.parts.block_manager import BlockManagerPart
-from kvlearn.parts.references import BlockReference
 from kvlearn.parts.judge import Broken, Trace, ints, number, same
+from kvlearn.parts.references import BlockReference
 from kvlearn.sequence import Sequence
 
 CONTRACT = BlockManagerPart
@@ -181,7 +181,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace, caching: bool = True,
                 same(f"{name}.num_cached_tokens", len(hit) * bs, s.num_cached_tokens,
                      hints["hit" if caching else "table"])
                 if caching:   # a copy of a prefix in place of its published block breaks the one-copy rule
-                    copies = [g for g, b in zip(table, hit) if g != b and ref.same_key(g, b)]
+                    copies = [g for g, b in zip(table, hit, strict=True) if g != b and ref.same_key(g, b)]
                     same(f"{name}.block_table[:{len(hit)}] (the shared blocks)", hit, table[:len(hit)],
                          hints["duplicate" if copies else "hit"])
                 same(f"len({name}.block_table)", s.num_blocks, len(table), hints["table"])

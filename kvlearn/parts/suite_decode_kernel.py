@@ -84,7 +84,7 @@ def generate(rng: random.Random) -> tuple[dict, list[tuple]]:
 
 
 def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
-    from kvlearn.kernels.decode import paged_decode_attention   # here: importing kvlearn.parts imports no triton
+    from kvlearn.kernels.decode import paged_decode_attention  # here: importing kvlearn.parts imports no triton
     ps, kv_heads, dim, dtype, lens = (setup[k] for k in ("page_size", "kv_heads", "head_dim", "dtype", "lens"))
     gen, heads = torch.Generator().manual_seed(setup["seed"]), kv_heads * setup["group"]
     needed = [-(-n // ps) for n in lens]
@@ -126,7 +126,7 @@ def run(impl, setup: dict, ops: list[tuple], trace: Trace) -> None:
         return out.double().cpu()
 
     def right(out, kk=k, vv=v, lengths=lens) -> bool:
-        rows = [c[:n] for c, n in zip(contexts, lengths)]
+        rows = [c[:n] for c, n in zip(contexts, lengths, strict=True)]
         want = attention_reference(query.cpu(), kk.cpu(), vv.cpu(), [1] * len(lens), rows, scale)
         return torch.allclose(out, want, *TOLERANCE[dtype])
 

@@ -73,12 +73,13 @@ def run(impl, setup: dict, ops: list[int], trace: Trace) -> None:
             raise Broken(f"quantize made NaN from numbers that held none, in {watch.made} (a row of zeros: "
                          "0 / 0); its codes may look right here, as int8(NaN) is 0 on this CPU, not on a GPU",
                          HINTS["zero"])
-        for i, (row, codes, (scale,)) in enumerate(zip(*(t.flatten(0, 1).tolist() for t in (x.double(), *got)))):
+        for i, (row, codes, (scale,)) in enumerate(zip(*(t.flatten(0, 1).tolist() for t in (x.double(), *got)),
+                                                       strict=True)):
             (expected, quotients), where = int8_row(row), f"x[{i // heads}, {i % heads}] (first values {row[:4]})"
             if not abs(scale - expected) <= expected * 2 ** -21:   # NaN is never close
                 raise Broken(f"{where}: expected scale {expected!r} (absmax / 127), got {scale!r}",
                              HINTS["zero" if not expected and scale != scale else "per_row"])
-            wrong = [j for j, (q, c) in enumerate(zip(quotients, codes))
+            wrong = [j for j, (q, c) in enumerate(zip(quotients, codes, strict=True))
                      if c != round(q) and (q % 1 == 0.5 or abs(c - q) > 0.5 + 1e-4)]   # a tie goes to the even one
             if wrong:
                 j, q = wrong[0], quotients[wrong[0]]

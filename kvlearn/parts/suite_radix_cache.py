@@ -15,10 +15,10 @@ import random
 
 import torch
 
+from kvlearn.parts.judge import Broken, Trace, ints, number, same
 from kvlearn.parts.radix_cache import RadixCachePart
 from kvlearn.parts.references import RadixReference
 from kvlearn.radix_base import RadixCacheBase
-from kvlearn.parts.judge import Broken, Trace, ints, number, same
 
 CONTRACT = RadixCachePart
 

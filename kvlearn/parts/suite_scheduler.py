@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 
+from kvlearn.parts.judge import Broken, Raised, Trace, describe
 from kvlearn.parts.scheduler import SchedulerPart
 from kvlearn.pool import KVPool
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler
-from kvlearn.parts.judge import Broken, Raised, Trace, describe
 
 CONTRACT = SchedulerPart
 
@@ -160,8 +160,8 @@ def _step(ref: Scheduler, part, pairs: list, trace: Trace) -> None:
         if getattr(got, field, None) != getattr(expected, field):
             hint = hint or _admission_hint(expected, got)
             _same(f"{where}, {field}", getattr(expected, field), getattr(got, field, None), expected, got, HINTS[hint])
-    want = [(r.rid, len(ids)) for r, ids in zip(expected_batch.requests, expected_batch.input_ids)]
-    have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids)]
+    want = [(r.rid, len(ids)) for r, ids in zip(expected_batch.requests, expected_batch.input_ids, strict=True)]
+    have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids, strict=True)]
     _same(f"{where}, the batch's (rid, tokens computed)", want, have, expected, got, HINTS["batch"])
     _same(f"{where}, batch.num_prefills", expected_batch.num_prefills, batch.num_prefills, expected, got,
           HINTS["batch"])

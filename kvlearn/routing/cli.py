@@ -67,8 +67,10 @@ def parser() -> argparse.ArgumentParser:
     gen = p.add_argument_group("generated trace")
     gen.add_argument("--tenants", type=int, default=32, help="tenants (apps with their own system prompt)")
     gen.add_argument("--rate", type=float, default=20.0, help="requests per second on average")
-    gen.add_argument("--hot-tenant", type=float, default=0.0, metavar="SHARE", help="extra share of sessions sent to tenant 0")
-    gen.add_argument("--burstiness", type=float, default=1.0, help="coefficient of variation of inter-arrivals (1 = Poisson)")
+    gen.add_argument("--hot-tenant", type=float, default=0.0, metavar="SHARE",
+                     help="extra share of sessions sent to tenant 0")
+    gen.add_argument("--burstiness", type=float, default=1.0,
+                     help="coefficient of variation of inter-arrivals (1 = Poisson)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--save-trace", metavar="FILE.jsonl", help="write the generated trace there")
     fleet = p.add_argument_group("fleet")
@@ -118,7 +120,8 @@ def _policy_options(args, policy: str) -> dict:
         return {} if args.load_factor is None else {"load_factor": args.load_factor}
     if policy not in ("cache_aware", "exact"):
         return {}
-    options = {name: getattr(args, name) for name in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+    options = {name: getattr(args, name)
+               for name in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
                if getattr(args, name) is not None}
     if policy == "cache_aware" and args.max_tree_pages is not None:
         options["max_tree_pages"] = args.max_tree_pages
@@ -136,7 +139,8 @@ def _trace(args) -> tuple[list, int | None]:
 
         if args.save_trace:
             raise ValueError("--save-trace writes a generated trace: use it with --generate N, not --trace.")
-        path = mooncake_trace_path(args.trace) if args.trace in BUNDLED and not Path(args.trace).exists() else args.trace
+        path = (mooncake_trace_path(args.trace) if args.trace in BUNDLED and not Path(args.trace).exists()
+                else args.trace)
         trace = read_trace(path, block_size=args.block_size)
         return trace, (args.block_size if is_mooncake(path) else None)
     if args.save_trace:

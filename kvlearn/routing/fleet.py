@@ -293,7 +293,8 @@ class FleetLoop:
             ttft_p50_s=round(_percentile(self.ttft, 50), 4), ttft_p99_s=round(_percentile(self.ttft, 99), 4),
             throughput_tok_s=round(self.output_tokens / makespan, 1) if makespan else 0.0,
             makespan_s=round(makespan, 3), output_tokens=self.output_tokens, preemptions=total["preemptions"],
-            wall_s=wall_s, loaded_tokens=sum(self.last_loaded), per_replica=per_replica, router=router, routes=self.routes, outputs=self.outputs)
+            wall_s=wall_s, loaded_tokens=sum(self.last_loaded), per_replica=per_replica, router=router,
+            routes=self.routes, outputs=self.outputs)
 
 
 def run_fleet(trace: list[TraceRequest], policy: Policy, replicas: list, time_model: TimeModel | None = None,

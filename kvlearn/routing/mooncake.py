@@ -20,8 +20,9 @@ repeated (the same filler in every page), and a prompt is its blocks' pages with
 to `input_length`. Every kvlearn cache matches prefixes, and two prompts' token ids part exactly at
 the first token of the first block where their ids differ, so every cache sees exactly the trace's
 prefix sharing. The filler costs nothing per block: a prompt's parts are its blocks' one-token
-heads and one shared tuple of fillers (145 M prompt tokens of the conversation trace in a few MB). A request keeps its arrival (s) and
-output length (`max_new_tokens`, at least 1). The bundled traces: `mooncake_trace_path(name)`.
+heads and one shared tuple of fillers (145 M prompt tokens of the conversation trace in a few MB). A
+request keeps its arrival (s) and output length (`max_new_tokens`, at least 1). The bundled traces:
+`mooncake_trace_path(name)`.
 """
 
 from __future__ import annotations

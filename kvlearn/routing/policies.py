@@ -28,8 +28,8 @@ import math
 import random
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvlearn.errors import check_positive_int
 

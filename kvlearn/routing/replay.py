@@ -8,7 +8,8 @@ requests", as the Mooncake paper's Figure 9), through one `PrefixPool` (chapter 
 `kvlearn.routing.pooled`): match the prompt, insert its whole pages, and while the tree holds more
 than the capacity, evict leaves (least recently used first, or `--policy lfu`) with the request's
 own path locked; a prompt larger than the whole cache then loses its own deepest pages too, so
-between requests the tree never holds more than `capacity_tokens // page_size` pages. Hit rate = cached prompt tokens / prompt tokens.
+between requests the tree never holds more than `capacity_tokens // page_size` pages. Hit rate =
+cached prompt tokens / prompt tokens.
 `--trace` takes a file or a bundled trace's name (conversation, synthetic).
 
 Why it is fast (a page is one key; nothing per token in Python). Token-level, the prompt of a
@@ -17,14 +18,15 @@ its own), cut to `input_length`, in a RadixCache with pages of P tokens, which h
 only the first floor(L / P) pages of a prompt of L tokens. Cut every prompt into units of
 g = gcd(P, B) tokens: a unit never straddles a block or a page boundary, and two prompts that
 agree up to a unit agree on it exactly when they agree on its block, so the unit (b, i) (i-th
-unit of block b) can stand for its g tokens as the single key b * (B / g) + i. The tree over unit keys with pages of P / g
-units is then the token tree with each edge's tokens grouped g at a time: the same nodes, the same
-splits (they fall on page boundaries, which are unit boundaries), the same clock (one tick per
-match or insert call, whatever the lengths) and so the same evictions, every length divided by g.
-The partial last block is handled by the same rule: the unit key of a prompt of L tokens holds
-floor(L / g) units, of which the tree keeps floor(floor(L / g) / (P / g)) = floor(L / P) pages,
-the same tokens as the token tree; the tail of the last block is never cached, but it counts in
-the prompt tokens. With the default P = B (512) a unit is a block: one key per hash id.
+unit of block b) can stand for its g tokens as the single key b * (B / g) + i. The tree over unit
+keys with pages of P / g units is then the token tree with each edge's tokens grouped g at a time:
+the same nodes, the same splits (they fall on page boundaries, which are unit boundaries), the same
+clock (one tick per match or insert call, whatever the lengths) and so the same evictions, every
+length divided by g. The partial last block is handled by the same rule: the unit key of a prompt
+of L tokens holds floor(L / g) units, of which the tree keeps floor(floor(L / g) / (P / g)) =
+floor(L / P) pages, the same tokens as the token tree; the tail of the last block is never cached,
+but it counts in the prompt tokens. With the default P = B (512) a unit is a block: one key per
+hash id.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class EngineReplica:
     def step(self) -> list[Request]:
         before = [len(r.token_ids) for r in self.live]
         self.engine.step()
-        progressed = [r for r, n in zip(self.live, before) if len(r.token_ids) > n]
+        progressed = [r for r, n in zip(self.live, before, strict=True) if len(r.token_ids) > n]
         self.live = [r for r in self.live if r.status != RequestStatus.FINISHED]
         return progressed
 

@@ -19,8 +19,8 @@ reads the one committed with kvlearn, measured on the machine the course was bui
 from __future__ import annotations
 
 import json
-import time
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -71,14 +71,16 @@ class TimeModel:
     def load(cls, path) -> TimeModel:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"No time model at {path}: run `python -m kvlearn route --calibrate --time-model {path}`.")
+            raise FileNotFoundError(f"No time model at {path}: "
+                                    f"run `python -m kvlearn route --calibrate --time-model {path}`.")
         try:
             return cls(**json.loads(path.read_text(encoding="utf-8")))
         except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"{path} is not a kvlearn time model ({e}): re-create it with `route --calibrate`.") from e
 
     def __repr__(self) -> str:
-        return (f"TimeModel({self.overhead_s * 1e3:.2f} ms/step + {self.prefill_s_per_token * 1e3:.3f} ms/prefill token + "
+        return (f"TimeModel({self.overhead_s * 1e3:.2f} ms/step + "
+                f"{self.prefill_s_per_token * 1e3:.3f} ms/prefill token + "
                 f"{self.decode_s_per_seq * 1e3:.3f} ms/decode seq + {self.attention_s_per_context_token * 1e6:.3f} "
                 f"us/context token" + (f" + {self.load_s_per_token * 1e6:.1f} us/loaded token" if self.load_s_per_token
                                        else "") + ")")
@@ -144,9 +146,10 @@ def calibrate(model=None, rounds: int = 5, progress=print) -> TimeModel:
         for k, probe in enumerate(probes):
             best[k] = min(best[k], run(*probe))
     rows = [[1.0, prefill, seqs, seqs * ctx + prefill] for prefill, seqs, ctx in probes]
-    for (prefill, seqs, ctx), seconds in zip(probes, best):
+    for (prefill, seqs, ctx), seconds in zip(probes, best, strict=True):
         progress(f"  prefill {prefill:>4} + {seqs:>2} decodes x {ctx:>4} context: {seconds * 1e3:7.1f} ms")
-    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(best, dtype=torch.float64)[:, None]).solution
+    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                              torch.tensor(best, dtype=torch.float64)[:, None]).solution
     a, b, c, d = (max(float(x), 0.0) for x in coef[:, 0])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return TimeModel(a, b, c, d, measured_on=f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -309,4 +309,4 @@ def resent_answer(turn: TraceRequest, later: TraceRequest) -> int:
     if ids[:n] != turn.prompt_ids:
         return 0
     head = ids[n:n + len(fed_back)]
-    return next((i for i, (a, b) in enumerate(zip(head, fed_back)) if a != b), len(head))
+    return next((i for i, (a, b) in enumerate(zip(head, fed_back, strict=False)) if a != b), len(head))

@@ -31,6 +31,7 @@ from kvlearn.serving.part_registry import RECORDS, served
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
 
+
 def slots_without_sharing(prompts, max_new_tokens: int, page_size: int = 16) -> int:
     """A pool that holds every prompt and its output in whole pages without any sharing: nobody
     is short of memory."""
@@ -79,7 +80,8 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, **options):
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
-            raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), got {type(tokenizer).__name__}.")
+            raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), "
+                            f"got {type(tokenizer).__name__}.")
         # The pool checks its sizes before anything is built; a learner's part serves behind its guard (`served`).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
                                      page_size=c.page_size, allocator_cls=served(c.parts, "allocator"),
@@ -102,7 +104,8 @@ class Engine:
                                   attention=attention)
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
         # cache behind its guard, or one of chapter 6's modes.
-        make_kv = served(c.parts, "radix_cache") or served(c.parts, "block_manager") or partial(make_kv_manager, c.cache)
+        make_kv = (served(c.parts, "radix_cache") or served(c.parts, "block_manager") or
+                   partial(make_kv_manager, c.cache))
         self.kv = registered_kv(c, self.pool, model) or make_kv(self.pool, c.max_requests)
         self.scheduler = (served(c.parts, "scheduler") or Scheduler)(
             self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids, chunked_prefill=c.chunked_prefill)
@@ -143,7 +146,8 @@ class Engine:
             prompt = chat_ids(self.tokenizer, prompt, plain_text=self.config.plain_text)
         req = Request(-1, prompt, max_new_tokens, self.pool.page_size)
         if max(req.token_ids) >= self.vocab_size:
-            raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary [0, {self.vocab_size}) of the model: "
+            raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary "
+                             f"[0, {self.vocab_size}) of the model: "
                              "tokenize with this model's tokenizer (tokens added to the tokenizer after "
                              "loading have no embedding in the model).")
         return req
@@ -238,7 +242,7 @@ class Engine:
             if not self.scheduler.has_unfinished():  # else requests queued by add_request() would be half counted
                 self.reset_stats()
             self._queue(requests)
-            from kvlearn.progress import progress_bar   # here: a bar is its only use (tqdm.auto looks for Jupyter)
+            from kvlearn.progress import progress_bar  # here: a bar is its only use (tqdm.auto looks for Jupyter)
             with progress_bar(total=len(requests) * max_new_tokens, desc=f"kvlearn {self.cache_mode}", unit="tok",
                               leave=False, disable=not progress) as bar:
                 try:
@@ -285,7 +289,7 @@ class Engine:
                 self.closed = True
                 self.kv.flush()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -54,7 +54,7 @@ def run_decode_stretch(scheduler, steps: int, next_tokens: list) -> None:
         raise ValueError(f"A stretch of {steps} steps needs at least one step, and {steps} tokens for each "
                          f"of the {len(running)} running requests.")
     evicted = _grow_rounds(kv, running, steps)
-    for req, tokens in zip(running, next_tokens):
+    for req, tokens in zip(running, next_tokens, strict=True):
         req.token_ids.extend(tokens)
         req.num_computed = len(req.token_ids) - 1
     scheduler.num_steps += steps

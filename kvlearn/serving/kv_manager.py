@@ -172,7 +172,7 @@ class KVManager(ABC):
     def evict_all(self) -> int:
         """Mutation: drop every cached token nobody uses; returns how many."""
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 (a hook with nothing to do by default, not an abstract method)
         """Mutation: write down whatever must outlive this manager (called by `Engine.close`, once
         no request runs); idempotent. Nothing here: a tiered manager (chapter 8) writes what its
         memory tiers hold to its disk tier."""

@@ -70,7 +70,8 @@ class StepReport:
 
     step: int
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
-    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rid, start, computed) of a prompt already started
+    # (rid, start, computed) of a prompt already started
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
     decodes: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
     stopped: str = ""         # why admission stopped: "budget", "wait" (too big to chunk), "full" (the pool)
@@ -265,7 +266,7 @@ class SchedulerBase:
         """Record each request's sampled token; release and return the requests that finished.
         A request leaves `running` as soon as its KV is released."""
         finished = []
-        for i, (req, ids, token) in enumerate(zip(batch.requests, batch.input_ids, next_tokens)):
+        for i, (req, ids, token) in enumerate(zip(batch.requests, batch.input_ids, next_tokens, strict=True)):
             if req.num_computed + len(ids) < req.prefill_len:  # a chunk, not the prompt's end:
                 req.num_computed += len(ids)                  # no token, nothing published yet
                 continue

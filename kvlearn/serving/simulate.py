@@ -63,7 +63,7 @@ class SimEngine:
             before.append(len(req.token_ids))
         for req in self.scheduler.postprocess(batch, tokens):
             self.answers.pop(req.rid, None)
-        return [req for req, n in zip(batch.requests, before) if len(req.token_ids) > n]
+        return [req for req, n in zip(batch.requests, before, strict=True) if len(req.token_ids) > n]
 
     def decode_stretch(self) -> tuple[int, bool]:
         """How many of the next steps `advance` can run at once, and whether they evict

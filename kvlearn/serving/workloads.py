@@ -137,7 +137,8 @@ or two short sentences. The shop opens Tuesday to Saturday from eight to six. A 
 forty dollars and takes a day; a flat tyre is fixed while you wait for twelve dollars. Customers \
 may rent a city bike for fifteen dollars a day, helmet included. Repairs are guaranteed for thirty \
 days. We sell used bikes, checked by a mechanic, with a one-year warranty. Parking for cargo bikes \
-is behind the shop. Lights, bells and locks are sold at the counter. If a question is not about bikes, say politely that you can only help with the \
+is behind the shop. Lights, bells and locks are sold at the counter. \
+If a question is not about bikes, say politely that you can only help with the \
 shop."""
 
 BIKE_SHOP_QUESTIONS = (
@@ -321,9 +322,9 @@ def no_sharing(tokenizer, num_requests: int = 16, seed: int = 0) -> Workload:
     personas, topics = rng.sample(PERSONAS, num_requests), rng.sample(TOPICS, num_requests)
     prompts = [template_ids(tokenizer, [{"role": "system", "content": f"{p}s answer every question in character."},
                                         {"role": "user", "content": f"Tell me one fact about {t}."}])
-               for p, t in zip(personas, topics)]
+               for p, t in zip(personas, topics, strict=True)]
     return Workload("no_sharing", "a different system prompt per request (control)",
-                    tuple(map(tuple, prompts)), tuple(f"{p}: {t}" for p, t in zip(personas, topics)))
+                    tuple(map(tuple, prompts)), tuple(f"{p}: {t}" for p, t in zip(personas, topics, strict=True)))
 
 
 WORKLOADS = {

@@ -1,9 +1,10 @@
 """Chapter 8: the host tier, a second KV pool in CPU memory, and copies between pools.
 
 The host pool has the device pool's layout (`[layers, 2, slots, kv_heads, row]`), format
-(`kv_cache_dtype`: quantized rows move with their scales, chapter 10) and page size, so a node's KV moves between them slot for slot. On a CPU-only machine both pools are CPU
-tensors and a copy is a memcpy; on a GPU the host pool would be pinned memory and copies would
-run on their own CUDA stream (see the chapter's notebook).
+(`kv_cache_dtype`: quantized rows move with their scales, chapter 10) and page size, so a node's KV
+moves between them slot for slot. On a CPU-only machine both pools are CPU tensors and a copy is a
+memcpy; on a GPU the host pool would be pinned memory and copies would run on their own CUDA stream
+(see the chapter's notebook).
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def make_tiered_kv(options, pool: KVPool, model) -> TieredRadixKV | None:
         # format joins the identity, so a folder never hands one format's bytes to another.
         kind = "" if pool.kv_cache_dtype == "auto" else f" kv_cache_dtype={pool.kv_cache_dtype}"
         disk = DiskStore(options.disk_dir, model_identity(model) + kind, pool.kv.dtype,
-                         (pool.num_layers, pool.num_kv_heads, pool.kv.shape[-1]), page, max_bytes=options.disk_max_bytes)
+                         (pool.num_layers, pool.num_kv_heads, pool.kv.shape[-1]), page,
+                         max_bytes=options.disk_max_bytes)
     host = None if options.host_slots is None else host_pool_for(pool, options.host_slots)
     return TieredRadixKV(pool, options.max_requests, host, disk, options.write_policy)

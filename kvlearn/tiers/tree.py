@@ -39,7 +39,7 @@ Each such step starts at a declared fault point (`kvlearn.errors.fault_point`, "
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -55,7 +55,8 @@ def blocks_text(manager, seqs, tokenizer=None, width: int = 96) -> str:
                      f"block_table {seq.block_table}")
         for i, block_id in enumerate(seq.block_table):
             lines.append(f"  logical {i:>2} -> block {block_id:>2}  {tokens(seq.block(i))}")
-    listed = [(b, state) for b, state in zip(manager.blocks, states) if state != "free" or b.hash is not None]
+    listed = [(b, state) for b, state in zip(manager.blocks, states, strict=True)
+              if state != "free" or b.hash is not None]
     show_hash, show_tokens = any(b.hash is not None for b, _ in listed), any(b.token_ids for b, _ in listed)
     rows = [("block", "ref", "state", "hash", "tokens")]
     rows += [(b.block_id, b.ref_count, state, short_hash(b.hash),

@@ -22,7 +22,7 @@ def plot_hit_rate_curves(curves: dict, paper: dict | None = None, local_cache_to
         color = owner_color(k)
         bounded = sorted((r.capacity_tokens, r.hit_rate) for r in results if r.capacity_tokens is not None)
         best = max(r.hit_rate for r in results)
-        ax.plot(*zip(*bounded), "o-", color=color, markersize=3, label=f"{name}: LRU replay")
+        ax.plot(*zip(*bounded, strict=True), "o-", color=color, markersize=3, label=f"{name}: LRU replay")
         ax.axhline(best, color=color, linestyle="--", linewidth=1, label=f"{name}: unbounded, {best:.1%}")
         if name in paper:
             ax.axhline(paper[name], color=color, linestyle=":", linewidth=1.5,
@@ -59,7 +59,7 @@ def plot_pooled_vs_local(runs: dict, paper_gain: dict | None = None, one_cache: 
 
     paper_gain, one_cache = paper_gain or {}, one_cache or {}
     fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 3.8), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], runs.items()):
+    for ax, (name, rows) in zip(axes[0], runs.items(), strict=True):
         local = [r for r in rows if not r["pool_tokens"]]
         pooled = [r for r in rows if r["pool_tokens"]]
         labels = [r["policy"] for r in local] + [f"{r['policy']}\n+ pool" for r in pooled]

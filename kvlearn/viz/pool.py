@@ -87,7 +87,7 @@ def draw_slot_reads(metadata, names: list[str], num_slots: int | None = None):
     written = torch.zeros(len(names), width, dtype=torch.bool)
     new_tokens = torch.diff(metadata.last_token, prepend=torch.tensor([-1], device=metadata.last_token.device))
     start = 0
-    for b, (n, q) in enumerate(zip(metadata.kv_lens.tolist(), new_tokens.tolist())):
+    for b, (n, q) in enumerate(zip(metadata.kv_lens.tolist(), new_tokens.tolist(), strict=True)):
         grid[b, metadata.kv_indices[b, :n].cpu()] = 1
         written[b, metadata.slot_mapping[start:start + q].cpu()] = True
         start += q

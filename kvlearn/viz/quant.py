@@ -30,8 +30,9 @@ def draw_kv_channels(k: torch.Tensor, v: torch.Tensor, title: str):
 def plot_quality_vs_bytes(rows: list[dict]):
     """Per format (`rows`: dicts with `label`, `bytes_per_token`, `ppl_change_pct`, `mean_kl` and
     `simulated`), mean KL to the exact distribution (left, log scale) and the perplexity change
-    (right, linear within ±0.1 % and logarithmic beyond) against bytes per token; stored formats and simulations in their own colours. A format
-    with no KL (the reference itself) is drawn on the right only."""
+    (right, linear within ±0.1 % and logarithmic beyond) against bytes per token; stored formats and
+    simulations in their own colours. A format with no KL (the reference itself) is drawn on the
+    right only."""
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))

@@ -39,7 +39,7 @@ def draw_kv_reuse(num_prompt: int, num_new: int):
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.28 * steps + 1.6), sharey=True)
     colors = [STATES["free"], STATES["cached"], STATES["new"]]
     labels = ["not yet", "read from the cache", "K and V computed"]
-    for ax, grid, title in zip(axes, panels, ("without a cache", "with a KV cache")):
+    for ax, grid, title in zip(axes, panels, ("without a cache", "with a KV cache"), strict=True):
         handles, names = _grid(ax, grid, colors, labels, title)
         ax.set_xlabel("token position")
     axes[0].set_ylabel("forward pass")
@@ -61,7 +61,7 @@ def draw_packed_mask(metadata, names: list[str]):
     rows, cols = max(query_lens), mask.shape[-1]
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1.5, 0.3 * rows + 1.6), squeeze=False)
     colors, labels = list(MASK.values()), list(MASK)
-    for ax, b, name in zip(axes[0], range(len(names)), names):
+    for ax, b, name in zip(axes[0], range(len(names)), names, strict=True):
         grid = torch.zeros(rows, cols, dtype=torch.int64)
         q, n = query_lens[b], kv_lens[b]
         grid[:q, :n] = 1
@@ -81,8 +81,9 @@ def draw_free_queue(snapshots: list[tuple[str, list[int], list[int]]]):
 
     width = max(len(free) + len(cached) for _, free, cached in snapshots)
     fig, ax = plt.subplots(figsize=(0.55 * width + 3, 0.55 * len(snapshots) + 1.2))
-    for row, (label, free, cached) in enumerate(snapshots):
-        for col, (block, color) in enumerate([(b, STATES["free"]) for b in free] + [(b, STATES["cached"]) for b in cached]):
+    for row, (_, free, cached) in enumerate(snapshots):
+        for col, (block, color) in enumerate([(b, STATES["free"]) for b in free] +
+                                             [(b, STATES["cached"]) for b in cached]):
             ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, fc=color, ec=INK["edge"]))
             ax.text(col + 0.47, row + 0.45, str(block), ha="center", va="center")
     ax.set_xlim(0, width)
@@ -197,7 +198,7 @@ def draw_strip(graphs, captions: list[str] | None = None, columns: int = 2):
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.2 * rows), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, caption in zip(axes.flat, images, captions):
+    for ax, image, caption in zip(axes.flat, images, captions, strict=False):   # a grid may have spare cells
         ax.imshow(image)
         ax.set_title(caption, fontsize=9)
     fig.tight_layout()

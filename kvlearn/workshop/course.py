@@ -104,6 +104,7 @@ def run_notebook(path: Path, timeout: int = 600, on_cell=lambda: None, nb=None) 
 
 def run_course(paths: list[Path], timeout: int = 600, progress: bool = True) -> list[ChapterRun]:
     import nbformat
+
     from kvlearn.progress import progress_bar
 
     total = sum(c.cell_type == "code" for p in paths for c in nbformat.read(p, as_version=4).cells)
@@ -131,7 +132,8 @@ def table(runs: list[ChapterRun], markdown: bool = False) -> str:
         lines = [header, ("---",) * len(header), *rows]
         return "\n".join("| " + " | ".join(row) + " |" for row in lines)
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows))
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in (header, *rows))
 
 
 def write_guide(guide: Path, runs: list[ChapterRun], parts: list[Gathered]) -> None:
@@ -157,7 +159,8 @@ def guide_text(guide: Path) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlearn course", description=__doc__.splitlines()[0])
-    parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="folder of NN_*.ipynb (default: the course's)")
+    parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS,
+                        help="folder of NN_*.ipynb (default: the course's)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may take (default 600)")
     parser.add_argument("--guide", type=Path, help="also write the table into this guide (docs/instructor.md)")
     args = parser.parse_args(argv)

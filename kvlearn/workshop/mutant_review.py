@@ -67,6 +67,7 @@ def first_difference(a, b, where: str = "") -> str | None:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where}: {len(a)} items != {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{where}[{i}]"))),
+        return next((d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                     if (d := first_difference(x, y, f"{where}[{i}]"))),
                     None)
     return None if a == b else f"{where}: {a!r} != {b!r}"

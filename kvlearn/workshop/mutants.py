@@ -366,7 +366,7 @@ def run_part(part: str, source: str, equivalents: list[dict], jobs: int, timeout
         print("\r" + " " * 60 + "\r", end="", file=out)
     killed = equivalent = 0
     survivors, rules = [], collections.Counter()
-    for mutant, verdict in zip(mutants, verdicts):
+    for mutant, verdict in zip(mutants, verdicts, strict=True):
         if mutant.key in listed:
             equivalent += 1
             if verdict.killed:
@@ -401,12 +401,14 @@ def summary(results: list[PartResult]) -> str:
         rows.append((r.part + (" (sample)" if r.sampled else ""), str(r.mutants), str(r.killed), str(r.equivalent),
                      str(len(r.survivors)), f"{r.kill_rate:.1f} %", f"{r.seconds:.0f} s"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    table = "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                for i, (c, w) in enumerate(zip(row, widths, strict=True)))
                       for row in rows)
     notes = []
     for r in results:
         for mutant in r.survivors:
-            notes.append(f"{r.part}: survived, line {mutant.line} ({mutant.where}), {mutant.operator}:\n{mutant.diff()}\n"
+            notes.append(f"{r.part}: survived, line {mutant.line} ({mutant.where}), "
+                         f"{mutant.operator}:\n{mutant.diff()}\n"
                          f"  kill it with a stronger suite, or list it as equivalent in tests/data/mutants/"
                          f"{r.part}.json:\n  {json.dumps(mutant.entry('why it behaves the same'))}")
         notes += [f"{r.part}: {problem}" for problem in r.problems]

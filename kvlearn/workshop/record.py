@@ -44,7 +44,8 @@ def record(path: Path, timeout: int = 600) -> str:
     nb = nbformat.read(path, as_version=4)
     cores, before, bandwidth = os.cpu_count(), load_average(), round(plain_read_gb_s(), 1)
     if not quiet(before, cores):
-        return f"{path.name}: not run, load {before} on {cores} cores (above {MAX_LOAD_PER_CORE} per core): wait for a quiet machine"
+        return (f"{path.name}: not run, load {before} on {cores} cores (above {MAX_LOAD_PER_CORE} per core): "
+                "wait for a quiet machine")
     course = figures_dir(path.parent)
     with tempfile.TemporaryDirectory(prefix="kvlearn-figures-") as scratch:
         figures, previous = copy_figures(course, Path(scratch)), os.environ.get(FIGURES_VARIABLE)
@@ -62,7 +63,7 @@ def record(path: Path, timeout: int = 600) -> str:
         if not quiet(after, cores):
             return f"{path.name}: ran, but the load rose to {after} on {cores} cores; nothing written"
         copy_figures(figures, course)
-    nb.metadata["kvlearn"] = {"executed": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    nb.metadata["kvlearn"] = {"executed": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                               "load_before": before, "load_after": after, "cores": cores,
                               "plain_read_gb_s": bandwidth}
     nbformat.write(nb, path)

@@ -176,7 +176,8 @@ def chapter_table(readme: str, titles: dict[str, str]) -> str:
 def landing_page(readme: str, chapters: dict[str, nbformat.NotebookNode]) -> str:
     """index.md: the README's opening, its two commands and chapter table, and the engine map."""
     sections = readme_sections(readme)
-    intro = sections[""].replace("](docs/glossary.md)", "](glossary.md)").replace("[docs/glossary.md]", "[the glossary]")
+    intro = (sections[""].replace("](docs/glossary.md)", "](glossary.md)")
+             .replace("[docs/glossary.md]", "[the glossary]"))
     commands = re.search(r"```bash\n.*?```", sections["The two commands"], re.DOTALL)
     if commands is None:
         raise ValueError("README.md's '## The two commands' has no ```bash block: the landing page shows it")
@@ -339,8 +340,8 @@ def build(root: Path, out: Path, work: Path, jobs: str = "auto", strict: bool = 
     show) fails the build. Raises ImportError (with the install command) when Sphinx is missing,
     RuntimeError with Sphinx's output when it fails; `out` is then left as it was."""
     try:
-        import sphinx  # noqa: F401  (only to say what is missing before Sphinx starts)
         import myst_nb  # noqa: F401
+        import sphinx  # noqa: F401  (only to say what is missing before Sphinx starts)
     except ImportError as missing:
         raise ImportError(f"{missing.name} is not installed (`make site` and `make test` install "
                           "requirements-site.txt; else: .venv/bin/pip install -r requirements-site.txt)") from missing
