@@ -72,7 +72,8 @@ def test_vllm_computes_on_the_same_cores():
 def test_decode_step_efficiency_is_measured_against_a_plain_read(model, shared):
     e = step_efficiency(model, shared.prompt_lists()[:2], fast=True, rounds=1)
     assert e["weight_bytes"] == weight_bytes(model) > 500e6 and e["batch"] == 2 and e["fast"]
-    assert e["efficiency"] == pytest.approx(e["weight_read_gb_s"] / e["plain_read_gb_s"], rel=0.02)
+    # efficiency is rounded to 3 decimals: within half its last digit, however slow a loaded machine makes it
+    assert e["efficiency"] == pytest.approx(e["weight_read_gb_s"] / e["plain_read_gb_s"], rel=0.02, abs=5e-4)
     assert "of a plain read" in describe_efficiency(e) and "matrix-product rate" in describe_efficiency(e)
     # Two tokens per step: 2 x 2 FLOPs per weight, at the measured product rate.
     flops = 4 * e["weight_bytes"] / 4

@@ -161,7 +161,7 @@ def _step(ref: Scheduler, part, pairs: list, trace: Trace) -> None:
             hint = hint or _admission_hint(expected, got)
             _same(f"{where}, {field}", getattr(expected, field), getattr(got, field, None), expected, got, HINTS[hint])
     want = [(r.rid, len(ids)) for r, ids in zip(expected_batch.requests, expected_batch.input_ids, strict=True)]
-    have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids, strict=True)]
+    have = [(r.rid, len(ids)) for r, ids in zip(batch.requests, batch.input_ids, strict=False)]   # a part's answer
     _same(f"{where}, the batch's (rid, tokens computed)", want, have, expected, got, HINTS["batch"])
     _same(f"{where}, batch.num_prefills", expected_batch.num_prefills, batch.num_prefills, expected, got,
           HINTS["batch"])
