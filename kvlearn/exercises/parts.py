@@ -36,7 +36,7 @@ from pathlib import Path
 from kvlearn.exercises import NOT_YET, OK, part_modules
 from kvlearn.exercises.part_modules import FOLDER, IMPORT_LIMIT_S, part_path
 from kvlearn.parts import check as check_impl  # the checker, imported before any part (a part cannot swap it)
-from kvlearn.serving.part_registry import REGISTRY
+from kvlearn.serving.part_registry import RECORDS, REGISTRY
 from kvlearn.workshop.student import replace_file
 
 _passed: dict[str, object] = {}   # part name -> the impl that last passed check_part
@@ -256,12 +256,14 @@ def serving_table(rows: list[Gathered], parts: dict) -> str:
 
 
 def parts_label(engine) -> str:
-    """A bench row's name for `engine`, read from the engine itself (`Engine.learner_parts`, and your
-    block table inside your block manager): its cache mode and the parts of yours that serve in it
-    ("radix, your radix_cache, attention"), "radix, all your parts" (yours for every part of chapters
-    1-6 that an engine of its mode and attention backend takes) or "radix, the package's parts"."""
+    """A bench row's name for `engine`, read from the engine itself (the parts it was given that are not
+    the package's own, and your block table inside your block manager): its cache mode and the parts of
+    yours that serve in it ("radix, your radix_cache, attention"), "radix, all your parts" (yours for
+    every part of chapters 1-6 that an engine of its mode and attention backend takes) or "radix, the
+    package's parts"."""
     cache, parts = engine.cache_mode, engine.config.parts
-    mine = [name for name in BUILD if name in engine.learner_parts or (name == "block_table" and _inside(parts, name))]
+    given = {name for name, part in parts.items() if part is not RECORDS[name].package}
+    mine = [name for name in BUILD if name in given or (name == "block_table" and _inside(parts, name))]
     skip = {"triton": "attention", "fast": "attention"}.get(engine.attention_backend)   # the backend attends
     takes = [name for name in BUILD if BUILD[name][0] < CAPSTONE and cache in _serves(parts, name)[0] and name != skip
              and (name != "decode_kernel" or engine.attention_backend == "triton")]

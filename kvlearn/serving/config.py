@@ -33,8 +33,7 @@ class EngineConfig:
     # --- the cache and the pool (chapters 2-4) ---
     cache: str = "radix"                 # "radix" (chapter 3's tree), "blocks" (chapter 2's hashed blocks) or "none"
     num_slots: int | None = None         # KV pool size in tokens (None: DEFAULT_NUM_SLOTS)
-    page_size: int | None = None         # tokens per page of the pool; in "blocks" mode the block size
-                                         # (None: 16, else 1)
+    page_size: int | None = None         # tokens per page of the pool, a block in "blocks" mode (None: 16, else 1)
     max_requests: int = DEFAULT_MAX_REQUESTS  # requests that can hold KV at once (rows of the ReqToTokenPool)
     kv_cache_dtype: str = "auto"         # what a slot stores, vLLM's names (kvlearn.formats; chapter 10)
     parts: dict = field(default_factory=dict)  # learners' parts by name (kvlearn.parts), built like the package's
@@ -48,16 +47,13 @@ class EngineConfig:
 
     # --- the model (chapter 5) ---
     plain_text: bool = False             # tokenize string prompts as plain text, so a typed `<|im_start|>` cannot
-                                         # forge a chat turn (by default it becomes the control token,
-                                         # as in transformers)
+                                         # forge a chat turn (by default it becomes the control token, as HF does)
     fast: bool = False                   # run the model through the engine's packed copy of the weights (kvlearn.fast:
-                                         # the same tokens, several times faster on CPU,
-                                         # the model's size again in memory;
+                                         # the same tokens, several times faster on CPU, the model again in memory;
                                          # it has its own attention, so with parts["attention"] the plain path runs)
     attention_backend: str = "auto"      # the plain path's attention (kvlearn.kernels): "torch" (chapter 5's), "triton"
                                          # (Triton kernels: on CUDA, or on a CPU under TRITON_INTERPRET=1), "auto"
-                                         # (triton on CUDA when it imports, else torch);
-                                         # as SGLang's --attention-backend.
+                                         # (triton on CUDA when it imports, else torch), as SGLang's --attention-backend
                                          # parts["decode_kernel"] (a learner's stage-1 kernel) needs "triton"
 
     # --- tiers below the pool (chapter 8; "radix" only; with host_slots and disk_dir None there are none) ---
@@ -94,9 +90,8 @@ class EngineConfig:
                                 "parts['attention'] is the attention there") + ": give one of the two.")
         if self.kv_cache_dtype != "auto" and (self.fast or {"attention", "decode_kernel"} & set(self.parts) or (
                 self.attention_backend == "triton" and (self.kv_cache_dtype != "int8" or "quantizer" in self.parts))):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by "
-                             "chapter 5's torch attention ('int8' by "
-                             "Triton's too, without a quantizer part): give fast=False, attention_backend='torch', "
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is read by chapter 5's torch attention ('int8' "
+                             "by Triton's too, without a quantizer part): give fast=False, attention_backend='torch', "
                              "no attention or decode_kernel part.")
         if self.tiered and self.cache != "radix":
             raise ValueError(f"host_slots and disk_dir need cache='radix' (the tiers hang below the radix "

@@ -27,7 +27,7 @@ from kvlearn.runner import ModelRunner
 from kvlearn.serving.cache_modes import make_kv_manager
 from kvlearn.serving.config import EngineConfig
 from kvlearn.serving.hooks import registered_kv
-from kvlearn.serving.part_registry import RECORDS, served
+from kvlearn.serving.part_registry import served
 from kvlearn.serving.request import Request
 from kvlearn.serving.scheduler import Scheduler, StepReport
 
@@ -80,8 +80,7 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, **options):
         self.config = c = EngineConfig.from_options(config, **options)
         if not hasattr(tokenizer, "apply_chat_template"):
-            raise TypeError(f"tokenizer must be the model's tokenizer (from load_model), "
-                            f"got {type(tokenizer).__name__}.")
+            raise TypeError(f"tokenizer must be the model's own (from load_model), got {type(tokenizer).__name__}.")
         # The pool checks its sizes before anything is built; a learner's part serves behind its guard (`served`).
         self.pool = KVPool.for_model(model.config, num_slots=c.num_slots, dtype=model.dtype, device=model.device,
                                      page_size=c.page_size, allocator_cls=served(c.parts, "allocator"),
@@ -104,13 +103,10 @@ class Engine:
                                   attention=attention)
         # A later chapter's KV manager when the options ask for it (chapter 8's tiers), a learner's
         # cache behind its guard, or one of chapter 6's modes.
-        make_kv = (served(c.parts, "radix_cache") or served(c.parts, "block_manager") or
-                   partial(make_kv_manager, c.cache))
-        self.kv = registered_kv(c, self.pool, model) or make_kv(self.pool, c.max_requests)
+        make = served(c.parts, "radix_cache") or served(c.parts, "block_manager") or partial(make_kv_manager, c.cache)
+        self.kv = registered_kv(c, self.pool, model) or make(self.pool, c.max_requests)
         self.scheduler = (served(c.parts, "scheduler") or Scheduler)(
             self.kv, c.max_batch_tokens, c.schedule, self.eos_token_ids, chunked_prefill=c.chunked_prefill)
-        # What "yours" may name: the parts given that serve as a learner's, not as the package's own.
-        self.learner_parts = tuple(name for name in c.parts if c.parts[name] is not RECORDS[name].package)
         self._busy = threading.Lock()
         self._request_ids = itertools.count()
         self.closed = False
@@ -146,8 +142,7 @@ class Engine:
             prompt = chat_ids(self.tokenizer, prompt, plain_text=self.config.plain_text)
         req = Request(-1, prompt, max_new_tokens, self.pool.page_size)
         if max(req.token_ids) >= self.vocab_size:
-            raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary "
-                             f"[0, {self.vocab_size}) of the model: "
+            raise ValueError(f"Token id {max(req.token_ids)} is outside the vocabulary [0, {self.vocab_size}): "
                              "tokenize with this model's tokenizer (tokens added to the tokenizer after "
                              "loading have no embedding in the model).")
         return req

@@ -70,8 +70,7 @@ class StepReport:
 
     step: int
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
-    # (rid, start, computed) of a prompt already started
-    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (rid, start, computed) of a started prompt
     decodes: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
     stopped: str = ""         # why admission stopped: "budget", "wait" (too big to chunk), "full" (the pool)
