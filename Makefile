@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dot browser lint demo test test-fast bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants gpu-pack gpu-check gpu-check-dry
+.PHONY: setup dot browser lint demo test quick bench peers check course figures notebooks thorough clean wheelhouse install-offline site mutants gpu-pack gpu-check gpu-check-dry
 
 setup: $(STAMP) dot
 
@@ -37,7 +37,7 @@ dot:
 
 # The browser test (tests/test_browser.py) drives Debian's chromium with Playwright (a pip package in
 # requirements-test.txt; it never downloads a browser of its own). The course does not need either,
-# so only `make test` installs them, and never fails for them: without them that test skips and says why.
+# so only `make thorough` installs chromium, and never fails for it: without it that test skips and says why.
 # A pip failure (offline) is not retried on every run: rm $(TEST_STAMP) to try again.
 TEST_STAMP := $(VENV)/.kvlearn-test-installed
 browser: $(TEST_STAMP) | dot
@@ -62,7 +62,7 @@ $(SITE_STAMP): requirements-site.txt | $(STAMP)
 	$(PY) -m pip install --quiet -r requirements-site.txt
 	touch $@
 
-# `make test` builds the site too (tests/test_site*.py): it tries the install once, like
+# `make thorough` builds the site too (tests/test_site*.py): it tries the install once, like
 # requirements-test.txt; offline, those tests skip and say why. rm $(SITE_TEST_STAMP) to try again.
 $(SITE_TEST_STAMP): requirements-site.txt | $(STAMP)
 	$(PY) -m pip install --quiet --retries 1 --timeout 30 -r requirements-site.txt && touch $(SITE_STAMP) || \
@@ -77,20 +77,27 @@ $(TEST_STAMP): requirements-test.txt | $(STAMP)
 demo: setup
 	$(PY) -m kvlearn demo
 
-# The linter first (ruff, configured in pyproject.toml: 0 findings), then every test. ruff comes from
-# requirements-test.txt; where that install failed (offline), the lint says so and the tests still run.
-test: setup browser $(SITE_TEST_STAMP) lint
+# Three test commands; tests/README.md says which test proves which promise, and where it runs.
+# `make test` (the README's, and CI's first): the linter (ruff, pyproject.toml: 0 findings), then each
+# promise once: every notebook and its student copy under strict nbval, HF's tokens for every cache
+# mode and both attention backends, every referee verdict; hypothesis at 150 examples a property.
+# ruff comes from requirements-test.txt; where that install failed (offline), the lint says so.
+test: setup lint
 	$(PY) -m pytest
+
+# `make quick`, the inner loop: the linter and the tests that load no model, with one smoke test that does.
+quick: setup lint
+	$(PY) -m pytest tests -m "smoke or not (model or slow or thorough)"
+
+# `make thorough` (CI's second): what proves a promise again or too slowly for every run: the offline
+# install, the browser, the site build, the mutants listed as equivalent, the Mooncake fleet replays,
+# and every hypothesis test again at 1,000 examples.
+thorough: setup browser $(SITE_TEST_STAMP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -m "thorough or hypothesis"
 
 lint: $(TEST_STAMP)
 	@if [ -x $(VENV)/bin/ruff ]; then $(VENV)/bin/ruff check . ; \
 	else echo "ruff is not installed (requirements-test.txt; offline?): the lint is skipped"; fi
-
-test-fast: setup
-	$(PY) -m pytest -m "not slow" tests
-
-thorough: setup
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest tests -k "state_machine or property"
 
 # How strong is each part's referee? Every mutant Cosmic Ray makes of a line of a worked solution
 # (the %%part cells of notebooks/01-06) must fail that part's check, or be listed in

@@ -13,10 +13,11 @@ same point on bound (a stub binds what its solution did), so they read the copy'
 solutions'. Then the item "student verdicts" asserts what a learner meets: every checker says "Not
 yet" (two or more per chapter, the capstone aside), each build exercise's skeleton is saved and
 its check_part says "Not yet", the cells that drive a part run on the package's (`use` says so,
-and so does each verdict line that `credit` words), and, after the last chapter, no part saved in
-my_parts/ passes. The chapters run in order in one process (../conftest.py): chapter 9 reads the
-parts that chapters 1-6 saved. Last, "tracked files unchanged": the instructor notebooks wrote their
-figures into a copy, the student copies into theirs, and `git status` lists what it listed before.
+and so does each verdict line that `credit` words), and, after the last chapter of a unit, no part
+saved in my_parts/ passes. The chapters run in two units (tests/units.py), each in order in one
+process: chapter 9 reads the parts that chapters 1-6 saved, so they share one. After each unit's
+last chapter, "tracked files unchanged": the instructor notebooks wrote their figures into a copy,
+the student copies into theirs, and `git status` lists what it listed before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import pytest
 from nbval.plugin import IPyNbCell, IPyNbFile, find_comment_markers, find_metadata_tags
+
+from tests.units import notebook_unit
 
 CAPSTONE = "09"
 # Chapters whose student copy meets no checker: the capstone has no exercise of its own.
@@ -200,7 +203,7 @@ class StudentVerdicts(pytest.Item):
             if CREDITS.search(source):
                 assert "the package's" in text and "yours has not passed" in text, \
                     f"credit() hid the stand-in: {text!r}"
-        if self.runs is not None:
+        if self.runs is not None:   # the parts that every chapter run in this process saved
             written = {PART_CELL.match(source)[1] for r in self.runs for source, _ in r.ran.values()
                        if PART_CELL.match(source)}
             rows = gather_parts(folder / "my_parts")
@@ -221,15 +224,16 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if isinstance(item, IPyNbCell) and CHAPTER.fullmatch(item.path.name):
             chapters[item.parent].append(item)
-    runs = []
-    for number, (nbfile, teacher_items) in enumerate(chapters.items(), 1):
+    runs, units = [], [notebook_unit(nbfile.path.name) for nbfile in chapters]
+    for number, (nbfile, teacher_items) in enumerate(chapters.items()):
         at = items.index(teacher_items[-1]) + 1
-        items[at:at] = student_items(nbfile, teacher_items, runs, last=number == len(chapters))
+        items[at:at] = student_items(nbfile, teacher_items, runs, last=units[number] not in units[number + 1:])
 
 
 def student_items(nbfile: IPyNbFile, teacher_items: list[IPyNbCell], runs: list[StudentRun], last: bool) -> list:
     """The items that run `nbfile`'s student copy: its code cells from the first solved one on,
-    then its verdicts (which, for the `last` chapter, also judge the parts that all `runs` saved).
+    then its verdicts (which, for the `last` chapter of its unit, also judge the parts that the
+    `runs` of this process saved, and are followed by "tracked files unchanged").
     Appends the chapter's StudentRun to `runs`."""
     from kvlearn.workshop.student import solved_cells, student_copy
 

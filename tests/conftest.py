@@ -11,10 +11,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
-# 1,000 examples per property by default (CI); HYPOTHESIS_PROFILE=thorough runs 10,000.
-settings.register_profile("default", max_examples=1000, deadline=None,
+# 150 examples per property in `make test` and `make quick`; `make thorough` (HYPOTHESIS_PROFILE=thorough)
+# runs every hypothesis test again with 1,000. (A property or machine that sets max_examples keeps it.)
+settings.register_profile("default", max_examples=150, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=10_000, deadline=None,
+settings.register_profile("thorough", max_examples=1000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 

@@ -99,7 +99,7 @@ def test_a_float_tie_is_told_apart_from_a_real_mismatch(model, shared):
     assert ties == [] and len(mismatches) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # `python -m kvlearn bench` whole; its parts: the tests above
 def test_command_line_end_to_end(tmp_path, capsys):
     code = bench.main(["--requests", "2", "--max-new-tokens", "3", "--systems", "radix,none,hf,hf-cb",
                        "--out", str(tmp_path)])

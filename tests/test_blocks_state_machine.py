@@ -9,8 +9,8 @@ block holds", capped so the last token is always computed. On top of the referen
 the package's manager to its exact order: new blocks are the first ones of `free_block_ids`. Random
 allocate / compute / append / deallocate steps, and misuse of deallocated sequences, are checked
 after every step.
-The number of examples comes from the hypothesis profile (1,000 by default, 10,000 with
-HYPOTHESIS_PROFILE=thorough).
+The number of examples comes from the hypothesis profile (150 in `make test`, 1,000 in
+`make thorough`).
 """
 
 import pytest

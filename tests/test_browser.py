@@ -35,7 +35,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.thorough]   # a real browser: tests/README.md
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CHAPTERS = ["03_radix_tree", "06_serving_engine"]

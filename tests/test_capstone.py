@@ -184,7 +184,7 @@ def test_the_capstone_has_no_solution_to_strip_and_opens_like_every_chapter():
         assert needed in code, needed
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # chapter 9's student copy already runs under nbval, with its verdicts
 @pytest.mark.parametrize("parts", ["instructor solutions", "none written yet"])
 def test_the_student_capstone_serves_the_model(tmp_path, parts):
     """The student copy of chapter 9 runs top to bottom: with every skeleton filled with the

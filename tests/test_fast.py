@@ -136,7 +136,7 @@ def test_fast_prefill_and_mixed_step_match_hugging_face(model, prompts, fast_run
             pool.free(s)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # HF's tokens in every cache mode: the test after this one
 def test_fast_greedy_equals_hugging_face_generate_on_the_shared_system_workload(model, tokenizer, fast_runner):
     workload = make_workload("shared_system", tokenizer)
     assert workload.num_requests == 16

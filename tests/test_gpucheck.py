@@ -21,6 +21,7 @@ def gpu_check(tmp_path, *args, interpret="1"):
                           env=env, cwd=tmp_path, timeout=600)
 
 
+@pytest.mark.thorough   # the script of `make gpu-check`; the tokens: test_kernels_engine.py, test_fast.py
 def test_gpu_check_dry_passes_and_writes_its_report(tmp_path):
     done = gpu_check(tmp_path, "--dry", "--out", "report.json")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -171,7 +171,7 @@ def test_stale_temporary_folders_are_removed_and_live_ones_kept(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {name for name, kept in names.items() if kept}
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # the rebuild on the real model; the tests above prove each step on small copies
 def test_a_damaged_copy_of_the_real_model_is_rebuilt_with_the_same_weights(tmp_path, monkeypatch, model):
     """Zero 1 MiB of the weights in a copy of the converted model: the next load says so and rebuilds
     it, and the rebuilt model has the original weights. The shared cache is only read."""

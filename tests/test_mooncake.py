@@ -267,7 +267,7 @@ def test_route_pages_default_to_the_traces_block_size(tmp_path, capsys):
     assert "holds no page of 4 tokens (the trace's block size)" in capsys.readouterr().err
 
 
-@pytest.mark.slow   # 7M prompt tokens through the fleet simulator: about 25 s of CPU
+@pytest.mark.thorough   # 7M prompt tokens through the fleet simulator (25 s of CPU); the tests above route small traces
 def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     with gzip.open(mooncake_trace_path("conversation"), "rt") as f:
         head = [next(f) for _ in range(500)]
@@ -284,7 +284,7 @@ def test_route_runs_a_slice_of_the_conversation_trace(tmp_path, capsys):
     assert time.perf_counter() - start < 120
 
 
-@pytest.mark.slow   # seven fleets of ten replicas on 7M prompt tokens: about 20 s of CPU
+@pytest.mark.thorough   # seven fleets of ten replicas on 7M prompt tokens: about 20 s of CPU
 def test_route_pooled_beats_every_local_policy_on_a_slice(tmp_path, capsys):
     with gzip.open(mooncake_trace_path("conversation"), "rt") as f:
         head = [next(f) for _ in range(500)]

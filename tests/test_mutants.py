@@ -46,7 +46,7 @@ def test_every_listing_names_a_part_and_says_why_each_mutant_behaves_the_same(so
         assert all(e["why"].strip() and e["before"] != e["after"] for e in data["equivalent"]), part
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # `make mutants` judges them all; tests/README.md
 @pytest.mark.parametrize("part", LISTED)
 def test_listed_equivalents_still_pass_and_answer_as_the_worked_solution(part, solutions):
     programs = min(PROGRAMS, getattr(SUITES[part].module, "PROGRAMS", 3 * PROGRAMS) // 3)   # the kernel: 8, interpreted

@@ -17,12 +17,15 @@ IGNORE = "nbval-ignore-output"   # the cell tag nbval reads; its markers never s
 # compare. Pinned from the `# NBVAL_IGNORE_OUTPUT` lines of git HEAD 561e30a, when they moved into
 # cell tags: a cell that joins or leaves this list (or a cell inserted before one) is a change to say.
 # Since then: chapter 9's bench table moved from cell 5 to 6 (issue 40 drew the learner's tree before it);
-# chapter 10 joined with its speed table (issue 47), then with its quality figures (perplexity, KL,
-# greedy divergences: a lossy format turns a CPU's summation order into other last digits, and two CI
-# machines disagreed; the cell after each asserts what holds on both).
+# chapter 10 joined with its speed table (issue 47), then with its quality figures (CPU_ROUNDING).
+# Cells whose figures a lossy format turns from the CPU's order of summation into other last digits
+# (two CI machines disagreed on chapter 10's perplexities and greedy divergences): compared nowhere,
+# each asserting what held on both, in it or in the next cell; they count apart from the 2 a
+# notebook may ignore for timings and views.
+CPU_ROUNDING = {"10_quantized_kv": [4, 6, 7, 8, 12]}
 NOT_COMPARED = {"00_why_kv_cache": [8, 11], "03_radix_tree": [15, 33], "05_paged_attention": [22, 24],
                 "06_serving_engine": [19], "07_routing": [4], "08_kv_tiers": [10], "09_your_engine": [7],
-                "10_quantized_kv": [4, 6, 7, 8, 12, 15]}
+                "10_quantized_kv": sorted([15, *CPU_ROUNDING["10_quantized_kv"]])}
 
 
 def code_cells(path):
@@ -74,7 +77,8 @@ def nbval_options(cell) -> dict:
 def test_ignored_outputs_are_few_justified_and_asserted(path):
     cells = code_cells(path)
     ignored = [i for i, c in enumerate(cells) if IGNORE in c.metadata.get("tags", [])]
-    assert len(ignored) <= 2, f"{len(ignored)} cells ignore their output; at most 2 may"
+    timings = [i for i in ignored if i not in CPU_ROUNDING.get(path.stem, [])]
+    assert len(timings) <= 2, f"{len(timings)} cells ignore their output; at most 2 may (CPU_ROUNDING apart)"
     for i in ignored:
         assert cells[i].source.startswith("#"), \
             f"code cell {i + 1} is tagged {IGNORE}: say why in a comment on its first line"
@@ -159,6 +163,7 @@ def test_a_failed_record_leaves_the_course_figures_as_they_were(tmp_path, monkey
         cells = [nbformat.v4.new_code_cell(writes), nbformat.v4.new_code_cell(last)]
         nb.write_text(nbformat.writes(nbformat.v4.new_notebook(cells=cells)))
         monkeypatch.setattr(record, "load_average", lambda: 0.0)
+        monkeypatch.setattr(record, "cpu_seconds", lambda: None)   # the other pytest worker is no load here
         monkeypatch.delenv("KVLEARN_FIGURES", raising=False)
         line = record.record(nb)
         assert ("recorded" in line) == written, line

@@ -198,7 +198,7 @@ def test_the_simulator_fast_forwards_a_part_on_the_base_and_steps_any_other():
     assert runs[2] == ((0, False), runs[0][1])
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # chapter 9 serves the learner's scheduler in both engines under nbval
 @pytest.mark.parametrize("cache", ["radix", "blocks"])
 def test_a_scheduler_written_outside_the_package_serves_the_real_model(model, tokenizer, cache):
     from kvlearn import Engine

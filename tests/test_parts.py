@@ -450,7 +450,7 @@ def test_the_kv_manager_is_built_from_the_parts(cache, part):
     assert isinstance(make_kv_manager(cache, KVPool(1, 1, 1, 64, page_size=4)).cache, PARTS[part])  # missing: ours
 
 
-@pytest.mark.slow
+@pytest.mark.thorough   # chapter 9 serves the learner's radix cache, block manager and allocator under nbval
 @pytest.mark.parametrize("cache", ["radix", "blocks"])
 def test_parts_written_outside_the_package_serve_the_real_model(model, tokenizer, cache):
     from kvlearn import Engine

@@ -23,6 +23,7 @@ triton_missing = pytest.mark.skipif(kvlearn.kernels.triton_import_error() is not
 
 
 @triton_missing
+@pytest.mark.thorough   # chapter 5 checks the worked kernel under nbval
 def test_the_worked_kernel_passes_within_a_minute():
     start = time.perf_counter()
     report = check("decode_kernel", PARTS["decode_kernel"])
@@ -93,7 +94,7 @@ def test_a_function_is_not_a_kernel():
 
 
 @triton_missing
-@pytest.mark.slow
+@pytest.mark.thorough   # test_kernels_engine serves the package's kernel; chapter 9 the learner's
 def test_a_copy_of_the_worked_kernel_serves_hf_tokens(model, tokenizer, tmp_path):
     # Short plain-text prompts (token ids), 2 new tokens: the prefill runs in the interpreter too, and
     # the second token comes from a decode step, which runs the part in every layer.

@@ -60,7 +60,7 @@ def css_urls(css: str) -> list[str]:
     return re.findall(r"""url\(\s*['"]?([^'")]+)""", css) + re.findall(r"""@import\s+['"]([^'"]+)""", css)
 
 
-@pytest.mark.slow   # the build takes 20-40 s
+@pytest.mark.thorough   # the build takes 20-40 s: `make thorough` (tests/README.md)
 def test_no_page_loads_anything_from_the_network(built_site):
     pages = sorted(built_site.rglob("*.html"))
     assert len(pages) >= 14, f"only {len(pages)} pages in {built_site}"
@@ -77,7 +77,7 @@ def test_no_page_loads_anything_from_the_network(built_site):
     assert not remote, "pages that load from the network:\n" + "\n".join(remote[:20])
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 def test_the_book_has_every_page(built_site):
     expected = ["index.html", "glossary.html", "instructor.html", "parts.html", "search.html"] + \
                [f"chapters/{p.stem}.html" for p in CHAPTERS]
@@ -105,7 +105,7 @@ class Links(HTMLParser):
                 self.targets.append(value)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 def test_every_link_between_pages_leads_to_a_file(built_site):
     broken = []
     # _static/ holds the theme's template macros too (HTML files, not pages)
@@ -133,7 +133,7 @@ def assert_the_two_downloads(built_site: Path, name: str) -> None:
         f"{student} is not the student copy"
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 def test_every_chapter_page_links_its_instructor_and_student_notebook(built_site):
     for path in CHAPTERS:
         links = hrefs((built_site / "chapters" / f"{path.stem}.html").read_text())
@@ -142,7 +142,7 @@ def test_every_chapter_page_links_its_instructor_and_student_notebook(built_site
         assert_the_two_downloads(built_site, path.stem)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 def test_check_your_parts_links_each_part_to_its_chapters_notebooks(built_site):
     links = hrefs((built_site / "parts.html").read_text())
     for name, (chapter, _) in BUILD.items():

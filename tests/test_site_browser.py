@@ -26,7 +26,7 @@ from kvlearn.workshop.site import chapter_title
 from kvlearn.workshop.student import student_copy
 from tests.test_browser import browser, free_port  # noqa: F401  (browser: the shared Chromium fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.thorough]   # the site in a browser
 
 CHAPTERS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 LOCAL = {"127.0.0.1"}

@@ -16,6 +16,7 @@ DEAD = "http://127.0.0.1:9/"  # the discard port: nothing answers there
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.thorough,   # the offline install: tests/README.md
     pytest.mark.skipif(shutil.which("make") is None, reason="needs make"),
 ]
 
