@@ -85,9 +85,10 @@ demo: setup
 test: setup lint
 	$(PY) -m pytest
 
-# `make quick`, the inner loop: the linter and the tests that load no model, with one smoke test that does.
+# `make quick`, the inner loop: the linter and the tests that load no model and take under 10 s, with one
+# smoke test that serves the model; hypothesis at 25 examples a property.
 quick: setup lint
-	$(PY) -m pytest tests -m "smoke or not (model or slow or thorough)"
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest tests -m "smoke or not (model or slow or thorough)"
 
 # `make thorough` (CI's second): what proves a promise again or too slowly for every run: the offline
 # install, the browser, the site build, the mutants listed as equivalent, the Mooncake fleet replays,

@@ -11,9 +11,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
-# 150 examples per property in `make test` and `make quick`; `make thorough` (HYPOTHESIS_PROFILE=thorough)
-# runs every hypothesis test again with 1,000. (A property or machine that sets max_examples keeps it.)
+# 150 examples per property in `make test`; `make thorough` (HYPOTHESIS_PROFILE=thorough) runs every
+# hypothesis test again with 1,000, `make quick` with 25. (A test that sets max_examples keeps it.)
 settings.register_profile("default", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("quick", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=1000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

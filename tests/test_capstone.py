@@ -46,6 +46,7 @@ def solutions(folder: Path) -> set[str]:
 
 # --- gather ------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_gather_says_what_is_yours_missing_or_failing(tmp_path, capsys):
     folder = tmp_path / "my_parts"
     save_part("allocator", stand_in("allocator"), folder)

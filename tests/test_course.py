@@ -83,6 +83,7 @@ def test_guide_table_is_replaced_between_the_markers(toy_course, tmp_path):
         course.write_guide(guide, runs, parts)
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_the_course_reports_per_part_what_the_chapters_saved(tmp_path, capsys):
     """A chapter's %%part cell saves my_parts/NAME.py beside the notebooks; the course checks each part."""
     write(tmp_path, "04_pool.ipynb", "%load_ext kvlearn.exercises.parts",
@@ -108,6 +109,7 @@ def test_the_guide_has_measured_times_for_exactly_the_chapters_there_are():
     assert f"| {len(rows)}/{len(rows)} PASS |" in block  # the recorded run passed every chapter
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_a_cell_timeout_fails_that_chapter_and_the_course_goes_on(tmp_path, capsys):
     write(tmp_path, "00_slow.ipynb", "print('started')", "import time; time.sleep(60)", "print('never')")
     write(tmp_path, "01_after.ipynb", "print(2)")

@@ -194,6 +194,7 @@ except PartError as err:
 """
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_slot_conservation_is_checked_under_python_O_and_names_the_parts():
     out = subprocess.run([sys.executable, "-O", "-c", CONSERVATION.format(tests=str(Path(__file__).parent))],
                          capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent).stdout

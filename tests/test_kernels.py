@@ -326,6 +326,7 @@ def test_a_stage1_that_is_not_a_kernel_with_the_worked_signature_is_refused():
         paged_decode_attention(*args, stage1=fewer)
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the attention suite's pools are on the CPU, where compiled kernels "
                     "cannot run; on CUDA the tests above compare the kernels with chapter 5's attention")
 def test_the_triton_attention_meets_chapter_5s_attention_contract():

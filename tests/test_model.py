@@ -127,6 +127,7 @@ def test_tokenizer_alone_is_the_models_tokenizer(tokenizer, monkeypatch):
     assert alone.eos_token_id == tokenizer.eos_token_id
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_loads_offline_in_a_fresh_process():
     """A new process with the hub switched off and no network proxy loads the model and answers."""
     code = ("import kvlearn, torch; m, t = kvlearn.load_model(device='cpu');"

@@ -150,6 +150,7 @@ def test_record_refuses_a_run_beside_other_work_and_writes_nothing(tmp_path, mon
     assert "other processes took" in line and nb.read_text() == before
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_a_failed_record_leaves_the_course_figures_as_they_were(tmp_path, monkeypatch):
     """The cells write figures into a scratch copy that only a recorded run copies back."""
     from kvlearn.workshop import record

@@ -124,6 +124,7 @@ def multi_tenant():
     return {p: simulate_fleet(trace, p, 8, slots_per_replica=8192, time_model=TM) for p in POLICIES}
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_cache_aware_beats_load_balancing_on_hit_rate(multi_tenant):
     hit = {p: r.hit_rate for p, r in multi_tenant.items()}
     assert hit["cache_aware"] > hit["round_robin"] + 0.15
@@ -186,6 +187,7 @@ def test_faster_divides_compute_not_loads():
         tm.faster(0)
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_hot_tenant_affinity_without_bounds_piles_up_and_bounds_fix_it():
     trace = multi_tenant_trace(1500, num_tenants=32, rate=40, hot_tenant_share=0.5, seed=0)
     def run(policy, **kw):

@@ -59,6 +59,7 @@ def _write_many(folder, seed, n):
         store.put(7, [1, 2, 3, 4], page(seed))
 
 
+@pytest.mark.slow   # 10 s or more: `make quick` leaves it out
 def test_two_processes_writing_one_entry_leave_a_valid_file(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     writers = [ctx.Process(target=_write_many, args=(tmp_path, seed, 200)) for seed in (10.0, 20.0)]
