@@ -85,7 +85,7 @@ demo: setup
 test: setup lint
 	$(PY) -m pytest
 
-# `make quick`, the inner loop: the linter and the tests that load no model and take under 10 s, with one
+# `make quick`, the inner loop: the linter and the tests that load no model and take under 3 s, with one
 # smoke test that serves the model; hypothesis at 25 examples a property.
 quick: setup lint
 	HYPOTHESIS_PROFILE=quick $(PY) -m pytest tests -m "smoke or not (model or slow or thorough)"

@@ -70,6 +70,7 @@ def test_instructor_solutions_pass_check(tmp_path, monkeypatch, capsys):
     assert "(building on your MyBlockTable from my_parts/block_table.py" in capsys.readouterr().out
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_student_skeletons_say_not_yet_and_never_raise(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     parts = run_parts("student")
@@ -182,6 +183,7 @@ def chapter_2_wrong_turns(solution):
             (MostRecentlyFreed, "which was freed earlier")]
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_chapter_2_wrong_turns_fail_check_with_a_message(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     solution = dict(run_parts("instructor"))["block_manager"]

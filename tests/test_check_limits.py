@@ -45,6 +45,7 @@ class LoopsForever(RadixCache):
             pass
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_a_correct_but_slow_part_passes_on_a_busy_machine():
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:

@@ -32,6 +32,7 @@ def toy_course(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_each_chapter_runs_in_a_fresh_kernel_and_failures_are_named(toy_course, capsys):
     before = {p: p.read_bytes() for p in toy_course.glob("*.ipynb")}
     runs = course.run_course(course.chapter_notebooks(toy_course), timeout=60, progress=False)
@@ -50,6 +51,7 @@ def test_each_chapter_runs_in_a_fresh_kernel_and_failures_are_named(toy_course, 
     assert md[0].startswith("| chapter | time |") and md[1].startswith("| --- |") and len(md) == 2 + 3 + 1
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_cli_prints_the_summary_and_fails_when_a_chapter_fails(toy_course, capsys):
     assert main(["course", "--notebooks", str(toy_course)]) == 1
     out = capsys.readouterr().out

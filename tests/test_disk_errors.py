@@ -189,6 +189,7 @@ HOSTILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_fifos_links_devices_and_folders_named_like_entries_are_misses_in_bounded_time_and_memory(tmp_path):
     folder = tmp_path / "kv"
     folder.mkdir()
@@ -306,6 +307,7 @@ def route(tmp_path, *args, limit=4 << 30):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @pytest.mark.parametrize("args", [("--replicas", "100000"), ("--slots-per-replica", "20000000")])
 def test_route_refuses_a_fleet_that_does_not_fit_in_memory(tmp_path, args):
     done = route(tmp_path, *args)
@@ -314,6 +316,7 @@ def test_route_refuses_a_fleet_that_does_not_fit_in_memory(tmp_path, args):
     assert "would preallocate about" in done.stderr and "GB" in done.stderr and args[0] in done.stderr
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_route_runs_a_fleet_that_fits(tmp_path):
     done = route(tmp_path, "--replicas", "8", "--json")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvlearn.model_store as ks
 import kvlearn.workshop.envcheck as env
 from kvlearn.__main__ import main
@@ -37,6 +39,7 @@ def test_everything_is_ok_on_this_machine(capsys):
     assert "fix:" not in out and out.rstrip().endswith("ready for the course")
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_dot_hidden_from_path_fails_with_the_install_command():
     code, out = run_check(PATH=str(Path(sys.executable).parent))  # the venv's bin only: no dot there
     assert code == 1
@@ -45,6 +48,7 @@ def test_dot_hidden_from_path_fails_with_the_install_command():
     assert line(out, "torch")[0] == "OK" and "1 problem(s): graphviz dot" in out
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_a_kernel_that_cannot_import_kvlearn_fails(tmp_path):
     base_python = Path(sys.base_prefix) / "bin" / "python3"  # the interpreter under the venv: no kvlearn
     spec = tmp_path / "kernels" / "python3"
@@ -59,6 +63,7 @@ def test_a_kernel_that_cannot_import_kvlearn_fails(tmp_path):
     assert "fix: run `make notebooks`" in out
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_unconverted_model_is_a_note_not_a_failure(tmp_path):
     code, out = run_check(KVLEARN_CACHE=str(tmp_path))
     assert code == 0

@@ -1,5 +1,7 @@
 """The chapter 6 checkers added by the teaching pass accept a right answer and refuse wrong ones."""
 
+import pytest
+
 from kvlearn.exercises import ch06
 from kvlearn.serving.workloads import unique_token_floor
 from tests.test_exercise_hints import own_hints
@@ -17,6 +19,7 @@ def test_radix_prefill():
     assert not ch06.check_radix_prefill(lambda prompts: 1 / 0)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_theorem(capsys):
     from kvlearn.serving.simulate import simulate
 

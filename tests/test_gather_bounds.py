@@ -20,6 +20,7 @@ def rows(folder, **options):
     return {r.name: r for r in gather_parts(folder, import_limit_s=LIMIT_S, **options)}
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @pytest.mark.parametrize("source", ["while True:\n    pass", "import time\ntime.sleep(1000)"])
 def test_a_module_that_loops_or_sleeps_at_import_fails_within_the_limit(tmp_path, source):
     folder = tmp_path / "my_parts"
@@ -41,6 +42,7 @@ def test_a_module_that_loops_or_sleeps_at_import_fails_within_the_limit(tmp_path
     ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)",
      "Python ended (signal 11, SIGSEGV: a read or write outside the process's memory"),
 ])
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_a_module_that_exits_at_import_is_a_row_of_the_table(tmp_path, capsys, source, says):
     folder = tmp_path / "my_parts"
     save_part("block_table", source, folder)
@@ -83,6 +85,7 @@ def test_a_part_that_builds_on_itself_is_refused_at_once(tmp_path, monkeypatch, 
     assert "never on itself" in capsys.readouterr().out
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_yours_only_for_the_class_the_module_defines_and_that_was_checked(tmp_path):
     folder = tmp_path / "my_parts"
     save_part("block_table", "from kvlearn.parts import PARTS\n\nMyBlockTable = PARTS['block_table']", folder)
@@ -106,6 +109,7 @@ def test_yours_only_for_the_class_the_module_defines_and_that_was_checked(tmp_pa
     assert all(r.impl is None for r in found.values())
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_a_part_that_changes_the_check_fails_and_changes_no_other_part(tmp_path):
     folder = tmp_path / "my_parts"
     save_part("block_table", "import kvlearn.parts\nfrom kvlearn.parts import conformance\n\n"

@@ -35,6 +35,7 @@ def test_gpu_check_dry_passes_and_writes_its_report(tmp_path):
     assert "PASSED" in done.stdout and "kvlearn radix, triton kernels" in done.stdout
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_gpu_check_says_what_to_do_without_cuda_or_the_interpreter(tmp_path):
     import torch
 

@@ -55,6 +55,7 @@ print(json.dumps({"passed": report.passed, "message": report.message, "served": 
 """
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @pytest.mark.parametrize("mistake", list(WRONG))
 def test_a_wrong_address_is_a_verdict_in_check_serving_and_the_picture(mistake, tmp_path):
     old, new, rule = WRONG[mistake]

@@ -70,6 +70,7 @@ def packed_query(pool, group, num_tokens):
     return torch.randn(heads, num_tokens, pool.head_dim, device=DEVICE).transpose(0, 1)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @settings(max_examples=EXAMPLES)
 @given(contexts(decode=True), st.sampled_from([None, 1, 2, 3, 5]))
 def test_paged_decode_attention_equals_chapter_5(case, num_splits):
@@ -81,6 +82,7 @@ def test_paged_decode_attention_equals_chapter_5(case, num_splits):
     torch.testing.assert_close(out, attend(query, pool.k[0], pool.v[0], md, scale), **TOL)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @settings(max_examples=EXAMPLES)
 @given(contexts(decode=False))
 def test_extend_attention_equals_chapter_5(case):
@@ -252,6 +254,7 @@ def test_an_int8_store_writes_the_bytes_of_the_torch_format(num_tokens, kv_heads
     assert torch.equal(pool.kv, expected.kv)   # layer 1's step slots, but the padded one, and nothing else
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @settings(max_examples=10)
 @given(contexts(decode=False))
 def test_extend_attention_on_an_int8_pool_equals_chapter_5s_decoded_rows(case):
@@ -338,6 +341,7 @@ def test_the_triton_attention_meets_chapter_5s_attention_contract():
     assert report.passed, report.message
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_the_kernels_compile_for_an_h200():
     """The interpreter runs a kernel's Python; a GPU build also type-checks and lowers it. Triton
     compiles for sm_90 here, with no GPU, in a process that does not interpret."""

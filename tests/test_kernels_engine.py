@@ -86,6 +86,7 @@ def run_fresh(code: str, interpret: str | None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @triton_missing
 def test_a_cpu_without_the_interpreter_is_refused_with_what_to_do():
     code = ("import torch\nif torch.cuda.is_available(): raise SystemExit(0)\n"
@@ -101,6 +102,7 @@ def test_a_cpu_without_the_interpreter_is_refused_with_what_to_do():
     assert "were built for a GPU in this process" in out.stdout and "restart the kernel" in out.stdout, out.stderr
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @triton_missing
 def test_the_interpreter_asked_for_after_triton_was_imported_is_refused():
     """triton.language's helpers are wrapped when triton is first imported; a later TRITON_INTERPRET

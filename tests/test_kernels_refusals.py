@@ -173,6 +173,7 @@ def run_cases() -> None:
             print(json.dumps({"case": name, "error": type(exc).__name__, "message": str(exc)}), flush=True)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_every_bad_input_is_refused_naming_the_argument_and_none_crashes():
     done = subprocess.run([sys.executable, "-c", "from tests.test_kernels_refusals import run_cases; run_cases()"],
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])

@@ -322,6 +322,7 @@ def block_lru(trace: MooncakeTrace, capacity_tokens: int) -> float:
     return cached / trace.prompt_tokens
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_replay_agrees_with_a_block_lru_on_the_conversation_trace():
     trace = read_mooncake(mooncake_trace_path("conversation"))
     for capacity in (1_000_000, 3_000_000, 10_000_000):

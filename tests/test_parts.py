@@ -303,6 +303,7 @@ class WrongType(RadixCache):
 
 # --- check ------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @pytest.mark.parametrize("name", sorted(set(PARTS) - {"decode_kernel"}))   # the kernel: test_parts_decode_kernel.py
 def test_the_package_parts_pass(name):
     report = check(name, PARTS[name])

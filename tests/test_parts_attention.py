@@ -47,6 +47,7 @@ def buggy(name, **rule):
     return attention
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_the_package_attention_and_one_written_outside_pass():
     assert PARTS["attention"] is paged_attention
     for impl in (paged_attention, my_attention):

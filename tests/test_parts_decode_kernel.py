@@ -42,6 +42,7 @@ def test_the_worked_kernel_passes_within_a_minute():
     ('score = tl.where(ok[None, :], score, float("-inf"))', "score = score", "past"),   # masked lanes weigh
     ("k = tl.load(k_cache + at, mask=kv_ok, other=0.0)", "k = tl.load(k_cache + at)", "slot"),
 ])
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_a_wrong_kernel_fails_with_the_rule_it_broke(tmp_path, old, new, rule):
     report = check("decode_kernel", kernel_copy(tmp_path, old, new))
     assert not report.passed
@@ -65,6 +66,7 @@ def test_programs_of_seed_0_cover_the_cases_the_suite_promises():
     assert {1, 63, 64, 65} <= seen["lens"] and seen["empty split"] == seen["tiles in a split"] == {True, False}
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_importing_kvlearn_and_its_parts_never_imports_triton():
     code = ("import sys, kvlearn, kvlearn.parts, kvlearn.serving.config\n"
             "assert 'triton' not in sys.modules, 'triton imported'\n"

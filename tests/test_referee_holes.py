@@ -217,6 +217,7 @@ WRONG = [
 ]
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 @pytest.mark.parametrize("name", ["allocator", "block_table", "block_manager"])
 def test_the_worked_solutions_pass(solution, name):
     """What the wrong parts below change is all that makes them fail."""

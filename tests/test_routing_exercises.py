@@ -26,6 +26,7 @@ class Sticky(Policy):
         self.home.setdefault(req.session, replica)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_thresholds_checker(capsys):
     assert ch07.check_thresholds(0.3, 4, 1.5)
     assert ch07.check_thresholds(0.3, 4, 1.5, "imbalanced")
@@ -60,6 +61,7 @@ def capacity_for(trace, share):
     return high
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_capacity_checker(capsys):
     assert ch07.check_capacity(capacity_for)
     assert not ch07.check_capacity(lambda trace, share: 3_000_000)       # too small

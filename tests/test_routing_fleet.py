@@ -76,6 +76,7 @@ FULL = dict(num_tenants=16, rate=3, output_tokens=(50, 200))  # pools full of ca
     ("exact", 4, "radix", 3200, None, 2048, FULL, 0.05),      # the router asks caches that stretches evict from
     ("cache_aware", 4, "radix", 3200, 4, 2048, FULL, 0.05),
 ])
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_fast_forward_gives_the_step_by_step_result(policy, replicas, cache, slots, page_size, max_batch_tokens,
                                                     traffic, stretched, monkeypatch):
     """The same result and the same state left behind, with `stretched` of the steps (at least) run
@@ -110,6 +111,7 @@ def test_fast_forward_gives_the_step_by_step_result_on_any_trace(trace, replicas
         _fleet_state(trace, policy, replicas, False, slots=slots, max_batch_tokens=budget)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_one_replica_makes_every_policy_equal():
     trace = multi_tenant_trace(150, num_tenants=4, seed=0)
     results = {p: simulate_fleet(trace, p, 1, time_model=TM) for p in POLICIES}
@@ -255,6 +257,7 @@ def test_route_json_has_the_promised_fields(trace_file, capsys):
             row["slots_per_replica"]) == (1, "the radix cache's default", 16384)
 
 
+@pytest.mark.slow   # 3 s or more: `make quick` leaves it out
 def test_route_all_compares_every_policy(trace_file, capsys):
     assert route(["--trace", str(trace_file), "--replicas", "2", "--policy", "all", "--cache", "blocks"]) == 0
     out = capsys.readouterr().out.splitlines()
