@@ -147,7 +147,7 @@ def chromium_path() -> str:
     path = shutil.which("chromium")
     if path is None:
         pytest.skip("browser test skipped: Debian's `chromium` is not installed "
-                    "(`make test` installs it when run as root; else: sudo apt-get install chromium)")
+                    "(`make thorough` installs it when run as root; else: sudo apt-get install chromium)")
     return path
 
 
@@ -158,7 +158,7 @@ def browser():
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.skip("browser test skipped: the `playwright` package is not installed "
-                    "(`make test` installs it; else: .venv/bin/pip install -r requirements-test.txt)")
+                    "(`make thorough` installs it; else: .venv/bin/pip install -r requirements-test.txt)")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=executable, headless=True)
         try:

@@ -23,7 +23,7 @@ pytestmark = [
 
 def _env(**overrides):
     env = dict(os.environ)
-    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # when run under `make test`
+    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # when run under `make thorough`
         env.pop(var, None)
     env.update(overrides)
     return env

@@ -343,7 +343,7 @@ def build(root: Path, out: Path, work: Path, jobs: str = "auto", strict: bool = 
         import myst_nb  # noqa: F401
         import sphinx  # noqa: F401  (only to say what is missing before Sphinx starts)
     except ImportError as missing:
-        raise ImportError(f"{missing.name} is not installed (`make site` and `make test` install "
+        raise ImportError(f"{missing.name} is not installed (`make site` and `make thorough` install "
                           "requirements-site.txt; else: .venv/bin/pip install -r requirements-site.txt)") from missing
     html = work / "html"   # MyST-NB writes its own files beside the HTML folder: here, inside `work`
     stage(root, work / "src")
