@@ -23,7 +23,7 @@ def cited(cell: str):
 
 def promise_rows():
     """(the `make test` cell, the `make thorough` cell) of each row of the promise table."""
-    table = README.split("## Promise -> the test that proves it", 1)[1]
+    table = README.split("## Promise -> the test that proves it", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     return [(test, thorough) for _, test, thorough in rows[1:]]
 
