@@ -1,4 +1,4 @@
-# kvlearn: `make demo` runs the main job, `make test` runs every test. Both set themselves up.
+# kvlearn: `make demo` runs the main job, `make test` proves every promise once (tests/README.md). Both set themselves up.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
