@@ -13,12 +13,9 @@ from hypothesis import HealthCheck, settings
 
 # 150 examples per property in `make test`; `make thorough` (HYPOTHESIS_PROFILE=thorough) runs every
 # hypothesis test again with 1,000, `make quick` with 25. (A test that sets max_examples keeps it.)
-settings.register_profile("default", max_examples=150, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("quick", max_examples=25, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=1000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+for profile, examples in {"default": 150, "quick": 25, "thorough": 1000}.items():
+    settings.register_profile(profile, max_examples=examples, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -38,29 +38,35 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its waited-for
-    children, the kernels among them), or None without /proc/stat. Busy: all but idle, iowait and the
-    guest columns (already inside user)."""
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(a monotonic clock, CPU seconds the whole machine has been busy, CPU seconds of this process and
+    its waited-for children, the kernels among them), or None without /proc/stat. Busy: all but idle,
+    iowait and the guest columns (already inside user)."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     except OSError:
         return None
     busy = sum(int(f) for i, f in enumerate(fields) if i not in (3, 4, 8, 9)) / os.sysconf("SC_CLK_TCK")
     mine = sum(t for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for t in resource.getrusage(who)[:2])
-    return busy, mine
+    return time.monotonic(), busy, mine
 
 
-def others(start: tuple[float, float] | None, seconds: float) -> float | None:
-    """Cores' worth of CPU that other processes took since `start` (a `cpu_seconds()`), over `seconds`."""
+def others(start: tuple[float, float, float] | None) -> float | None:
+    """Cores' worth of CPU that other processes took since `start` (a `cpu_seconds()`), or None."""
     end = cpu_seconds()
-    if start is None or end is None or seconds <= 0:
+    if start is None or end is None or end[0] <= start[0]:
         return None
-    return round(max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / seconds, 2)
+    return round(max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0]), 2)
 
 
 def quiet(load: float, cores: int | None = None) -> bool:
     return load <= MAX_LOAD_PER_CORE * (cores or os.cpu_count() or 1)
+
+
+def ran_quietly(others: float | None, load_after: float, cores: int) -> bool:
+    """Whether a run was left alone: other processes took at most `MAX_OTHERS_PER_CORE` of each core,
+    or, where that was not measured (`others` None), the load after it was quiet."""
+    return others <= MAX_OTHERS_PER_CORE * cores if others is not None else quiet(load_after, cores)
 
 
 def record(path: Path, timeout: int = 600) -> str:
@@ -79,9 +85,9 @@ def record(path: Path, timeout: int = 600) -> str:
         figures, previous = copy_figures(course, Path(scratch)), os.environ.get(FIGURES_VARIABLE)
         os.environ[FIGURES_VARIABLE] = str(figures)   # the kernel inherits it
         try:
-            start, clock = cpu_seconds(), time.monotonic()
+            start = cpu_seconds()
             run = run_notebook(path, timeout, nb=nb)
-            busy = others(start, time.monotonic() - clock)
+            busy = others(start)
         finally:
             if previous is None:
                 del os.environ[FIGURES_VARIABLE]
@@ -90,10 +96,9 @@ def record(path: Path, timeout: int = 600) -> str:
         after = load_average()
         if not run.passed:
             return f"{path.name}: FAIL {run.error}; nothing written"
-        if busy is not None and busy > MAX_OTHERS_PER_CORE * cores:
-            return f"{path.name}: ran, but other processes took {busy} of {cores} cores meanwhile; nothing written"
-        if busy is None and not quiet(after, cores):
-            return f"{path.name}: ran, but the load rose to {after} on {cores} cores; nothing written"
+        if not ran_quietly(busy, after, cores):
+            why = f"other processes took {busy} of" if busy is not None else f"the load rose to {after} on"
+            return f"{path.name}: ran, but {why} {cores} cores; nothing written"
         copy_figures(figures, course)
     nb.metadata["kvlearn"] = {"executed": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                               "load_before": before, "load_after": after, "cores": cores, "others": busy,
